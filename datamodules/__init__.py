@@ -1,0 +1,5 @@
+"""LightningDataModules, one per benchmark (installed as ``lightning_maskprior.datamodules``)."""
+
+from lightning_maskprior.datamodules.boolean import BooleanGOTUDataModule
+
+__all__ = ["BooleanGOTUDataModule"]

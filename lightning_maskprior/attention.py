@@ -1,0 +1,179 @@
+"""PriorAttention: multi-head self-attention whose logits get a learnable prior ``log sigmoid(M)``.
+
+This is the only attention class the project's backbones use. With no prior it is plain
+``F.scaled_dot_product_attention``; with a prior, ``M`` is a parameter of shape (heads, N, N)
+(or (1, N, N), shared by every head) that the init methods in ``inits.py`` fill in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class PriorAttention(nn.Module):
+    """Self-attention ``softmax(q k^T / sqrt(d) + log sigmoid(scale * M)) v``.
+
+    The parameter names (``qkv``, ``proj``) follow timm's ``Attention`` so its weights load as is.
+
+    Args:
+        dim: Model width (input and output of the layer).
+        num_heads: Number of attention heads.
+        head_dim: Width of each head; default ``dim // num_heads``. GOTU's token transformer uses
+            64 whatever the model width, so queries/keys/values have ``num_heads * head_dim`` features.
+        qkv_bias: Whether the fused query/key/value projection has a bias.
+        attn_drop: Dropout on the attention probabilities (training only).
+        proj_drop: Dropout after the output projection.
+        causal: Add a causal mask (token i sees tokens j <= i), combined with any prior.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 1,
+        head_dim: int | None = None,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        causal: bool = False,
+    ) -> None:
+        super().__init__()
+        if head_dim is None and dim % num_heads != 0:
+            raise ValueError(
+                f"dim={dim} is not divisible by num_heads={num_heads}; give head_dim explicitly"
+            )
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim or dim // num_heads
+        self.inner_dim = self.num_heads * self.head_dim
+        self.causal = causal
+        self.attn_drop = attn_drop
+        self.qkv = nn.Linear(dim, 3 * self.inner_dim, bias=qkv_bias)
+        self.proj = nn.Linear(self.inner_dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        # The prior: None (plain attention) or a (heads or 1, N, N) tensor of logits M.
+        self.prior_logits: nn.Parameter | None = None
+        # log sigmoid(prior_scale * M); the language prior uses a scale of 10.
+        self.prior_scale = 1.0
+        # When True, forward() also stores the attention probabilities in `last_attention`.
+        self.record_attention = False
+        self.last_attention: Tensor | None = None
+
+    # ----------------------------------------------------------------------------- the prior
+    def set_prior(self, logits: Tensor, trainable: bool = True, scale: float = 1.0) -> None:
+        """Install ``M`` (shape (N, N), (1, N, N) or (heads, N, N)) as this layer's prior."""
+        if logits.dim() == 2:
+            logits = logits.unsqueeze(0)
+        if logits.dim() != 3 or logits.shape[-1] != logits.shape[-2]:
+            raise ValueError(f"prior logits must have shape (heads, N, N), got {tuple(logits.shape)}")
+        if logits.shape[0] not in (1, self.num_heads):
+            raise ValueError(
+                f"prior has {logits.shape[0]} heads but the layer has {self.num_heads} "
+                "(use 1 to share one N x N prior across heads)"
+            )
+        param = self.qkv.weight
+        data = logits.detach().to(device=param.device, dtype=param.dtype).clone()
+        self.prior_logits = nn.Parameter(data, requires_grad=trainable)
+        self.prior_scale = float(scale)
+
+    def clear_prior(self) -> None:
+        """Remove the prior: the layer becomes plain attention."""
+        self.prior_logits = None
+        self.prior_scale = 1.0
+
+    def prior_bias(self) -> Tensor | None:
+        """The additive term ``log sigmoid(scale * M)`` (heads or 1, N, N), or None."""
+        if self.prior_logits is None:
+            return None
+        return F.logsigmoid(self.prior_scale * self.prior_logits)
+
+    # ----------------------------------------------------------------------------- weights
+    def query_key_weights(self) -> tuple[Tensor, Tensor]:
+        """Wq and Wk as (heads, head_dim, dim) views of the fused projection."""
+        w, inner = self.qkv.weight, self.inner_dim
+        wq = w[:inner].view(self.num_heads, self.head_dim, self.dim)
+        wk = w[inner : 2 * inner].view(self.num_heads, self.head_dim, self.dim)
+        return wq, wk
+
+    # ----------------------------------------------------------------------------- forward
+    def _attn_bias(self, seq_len: int, dtype: torch.dtype) -> Tensor | None:
+        bias = self.prior_bias()
+        if bias is not None and bias.shape[-1] != seq_len:
+            n = bias.shape[-1]
+            raise ValueError(f"prior is {n}x{n} but the sequence has {seq_len} tokens")
+        if bias is not None:
+            bias = bias.to(dtype)
+        if self.causal and bias is not None:
+            future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=bias.device).triu(1)
+            bias = bias.masked_fill(future, float("-inf"))
+        return bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq_len, _ = x.shape
+        qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, head_dim)
+        bias = self._attn_bias(seq_len, q.dtype)
+        is_causal = self.causal and bias is None
+        if self.record_attention:
+            self.last_attention = self.reference_probs(q, k, bias, is_causal).detach()
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            dropout_p=self.attn_drop if self.training else 0.0,
+            is_causal=is_causal,
+        )
+        out = out.transpose(1, 2).reshape(batch, seq_len, self.inner_dim)
+        return self.proj_drop(self.proj(out))
+
+    @staticmethod
+    def reference_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool) -> Tensor:
+        """Attention probabilities computed explicitly (the reference path the tests compare with)."""
+        logits = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        if bias is not None:
+            logits = logits + bias
+        if is_causal:
+            n = logits.shape[-1]
+            future = torch.ones(n, n, dtype=torch.bool, device=logits.device).triu(1)
+            logits = logits.masked_fill(future, float("-inf"))
+        return logits.softmax(dim=-1)
+
+
+def attention_layers(module: nn.Module) -> list[PriorAttention]:
+    """Every PriorAttention inside ``module``, in forward order (module registration order)."""
+    return [m for m in module.modules() if isinstance(m, PriorAttention)]
+
+
+@contextmanager
+def recording_attention(module: nn.Module) -> Iterator[list[PriorAttention]]:
+    """Within the block, each PriorAttention stores its probabilities in ``last_attention``."""
+    layers = attention_layers(module)
+    for layer in layers:
+        layer.record_attention = True
+        layer.last_attention = None
+    try:
+        yield layers
+    finally:
+        for layer in layers:
+            layer.record_attention = False
+
+
+@torch.no_grad()
+def attention_probabilities(module: nn.Module, *args, **kwargs) -> list[Tensor]:
+    """Run ``module(*args)`` once and return each layer's attention probabilities (B, H, N, N)."""
+    was_training = module.training
+    module.eval()
+    try:
+        with recording_attention(module) as layers:
+            module(*args, **kwargs)
+            probs = [layer.last_attention for layer in layers]
+            for layer in layers:
+                layer.last_attention = None
+    finally:
+        module.train(was_training)
+    return probs

@@ -1,0 +1,63 @@
+"""The ``maskprior`` command: LightningCLI (fit / validate / test) over MaskPriorModule.
+
+    maskprior fit -c configs/boolean/2parity.yaml -c configs/init/mask.yaml
+    maskprior fit --help
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_maskprior.module import MaskPriorModule
+
+
+class MaskPriorCLI(LightningCLI):
+    """LightningCLI with the datamodule's TaskSpec linked into the model."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("data", "model.task", apply_on="instantiate", compute_fn=_task_spec)
+
+    def after_fit(self) -> None:
+        _print_metrics(self.trainer, "val/", "final validation metrics")
+
+    def after_validate(self) -> None:
+        _print_metrics(self.trainer, "val/", "validation metrics")
+
+    def after_test(self) -> None:
+        _print_metrics(self.trainer, "test/", "test metrics")
+
+
+def _task_spec(datamodule: L.LightningDataModule):
+    if not hasattr(datamodule, "task_spec"):
+        raise TypeError(f"{type(datamodule).__name__} has no task_spec(); it is not a maskprior datamodule")
+    return datamodule.task_spec()
+
+
+def _print_metrics(trainer: L.Trainer, prefix: str, title: str) -> None:
+    log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank makes it
+    if trainer.global_rank != 0:
+        return
+    values = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
+    if not values:
+        return
+    width = max(len(k) for k in values)
+    lines = [f"{k:<{width}}  {v:.6f}" for k, v in sorted(values.items())]
+    print(f"\n{title} (run directory: {log_dir})\n" + "\n".join(lines), flush=True)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``maskprior`` console script."""
+    MaskPriorCLI(
+        MaskPriorModule,
+        L.LightningDataModule,
+        subclass_mode_data=True,
+        trainer_defaults={"default_root_dir": "runs"},
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        auto_configure_optimizers=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

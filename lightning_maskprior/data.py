@@ -1,0 +1,83 @@
+"""Data helpers shared by the datamodules: tensor datasets of dict batches, exact DDP evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class TensorDictDataset(Dataset):
+    """Rows of equally long tensors, returned as dicts (``{"inputs": ..., "target": ...}``)."""
+
+    def __init__(self, **tensors: Tensor) -> None:
+        lengths = {name: len(t) for name, t in tensors.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"tensors have different lengths: {lengths}")
+        self.tensors = tensors
+        self.length = next(iter(lengths.values()))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {name: t[index] for name, t in self.tensors.items()}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, Tensor]:
+        # Batched indexing: one gather per tensor instead of one per row (collate passes it through).
+        index = torch.as_tensor(indices)
+        return {name: t[index] for name, t in self.tensors.items()}
+
+
+def _identity_collate(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return batch
+
+
+class ExactDistributedSampler(DistributedSampler):
+    """Each rank gets indices rank, rank + world, ...: every example exactly once, none padded.
+
+    torch's DistributedSampler pads the dataset so every rank has equally many examples, which
+    evaluates some examples twice. Evaluation needs no equal split (no gradients are synchronised),
+    and Lightning leaves a DistributedSampler it is given alone.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.num_samples = len(range(self.rank, len(dataset), self.num_replicas))
+        self.total_size = len(dataset)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def train_loader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
+                 drop_last: bool = False) -> DataLoader:
+    """A shuffled loader; under DDP Lightning swaps in a DistributedSampler (seeded per epoch)."""
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=True, generator=generator, num_workers=num_workers,
+        drop_last=drop_last, collate_fn=_identity_collate if _batched(dataset) else None,
+        persistent_workers=num_workers > 0,
+    )
+
+
+def eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0) -> DataLoader:
+    """An ordered loader that evaluates every example exactly once, also under DDP."""
+    sampler = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sampler = ExactDistributedSampler(dataset)
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=num_workers,
+        collate_fn=_identity_collate if _batched(dataset) else None,
+        persistent_workers=num_workers > 0,
+    )
+
+
+def _batched(dataset: Dataset) -> bool:
+    return hasattr(dataset, "__getitems__")

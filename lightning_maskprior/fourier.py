@@ -1,0 +1,167 @@
+"""Boolean functions on {-1, +1}^n: Fourier expansions and the min-degree interpolator (MDI).
+
+Points of the cube are indexed by integers u in [0, 2^n): bit i of u set means x_i = -1. A subset S
+of variables is an integer too, and the monomial chi_S(x) = prod_{i in S} x_i = (-1)^popcount(u & S).
+So evaluation and the Fourier transform are both the Walsh-Hadamard transform.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor
+
+MAX_CUBE_BITS = 20  # 2^20 points: about a million, held in memory as float64
+
+
+def cube_points(n: int) -> Tensor:
+    """All 2^n points as a (2^n, n) float tensor of +-1 (row u is point u)."""
+    check_cube_bits(n)
+    u = torch.arange(2**n)
+    bits = (u.unsqueeze(1) >> torch.arange(n)) & 1
+    return (1 - 2 * bits).to(torch.float32)
+
+
+def check_cube_bits(n: int) -> None:
+    if not 1 <= n <= MAX_CUBE_BITS:
+        raise ValueError(f"n={n} bits is outside 1..{MAX_CUBE_BITS} (the full cube must fit in memory)")
+
+
+def walsh_hadamard(values: Tensor) -> Tensor:
+    """Unnormalised Walsh-Hadamard transform along the last axis (length 2^n).
+
+    Coefficients -> values: ``f = walsh_hadamard(c)``. Values -> coefficients:
+    ``c = walsh_hadamard(f) / 2^n``.
+    """
+    size = values.shape[-1]
+    if size & (size - 1):
+        raise ValueError(f"length {size} is not a power of two")
+    lead = values.shape[:-1]
+    x = values.reshape(-1, size)
+    h = 1
+    while h < size:
+        x = x.view(x.shape[0], size // (2 * h), 2, h)
+        x = torch.stack((x[:, :, 0] + x[:, :, 1], x[:, :, 0] - x[:, :, 1]), dim=2)
+        h *= 2
+    return x.reshape(*lead, size)
+
+
+_MONOMIAL = re.compile(r"^\s*x(\d+)\s*$")
+
+
+def parse_monomial(text: str) -> int:
+    """``"x0*x1"`` -> subset mask 0b11; ``"1"`` or ``""`` -> 0 (the constant)."""
+    text = text.strip()
+    if text in ("", "1"):
+        return 0
+    mask = 0
+    for factor in text.split("*"):
+        match = _MONOMIAL.match(factor)
+        if not match:
+            raise ValueError(f"cannot read monomial {text!r}: expected factors like x0*x3, or '1'")
+        bit = 1 << int(match.group(1))
+        if mask & bit:
+            raise ValueError(f"monomial {text!r} repeats a variable (x_i^2 = 1 on the cube)")
+        mask |= bit
+    return mask
+
+
+def coefficients_from_expansion(expansion: dict[str, float], n: int) -> Tensor:
+    """Dense Fourier coefficients (2^n,) from ``{"x0*x1": 1.0, "x2": -0.5, "1": 0.25}``."""
+    check_cube_bits(n)
+    coefficients = torch.zeros(2**n, dtype=torch.float64)
+    for monomial, value in expansion.items():
+        mask = parse_monomial(str(monomial))
+        if mask >= 2**n:
+            raise ValueError(f"monomial {monomial!r} uses a variable beyond x{n - 1} (n={n})")
+        coefficients[mask] += float(value)
+    return coefficients
+
+
+def degree(masks: Tensor) -> Tensor:
+    """Number of variables in each subset mask."""
+    count = torch.zeros_like(masks)
+    m = masks.clone()
+    while bool((m > 0).any()):
+        count += m & 1
+        m = m >> 1
+    return count
+
+
+def relevant_bits(mask_values: Tensor, n: int) -> list[int]:
+    """Coordinates that ``mask_values`` (a function on the cube) depends on."""
+    u = torch.arange(2**n)
+    return [i for i in range(n) if bool((mask_values != mask_values[u ^ (1 << i)]).any())]
+
+
+def _null_space(matrix: Tensor, rtol: float = 1e-10) -> Tensor:
+    """Orthonormal basis (columns) of the null space of ``matrix``."""
+    if matrix.shape[0] == 0:
+        return torch.eye(matrix.shape[1], dtype=matrix.dtype)
+    _, s, vh = torch.linalg.svd(matrix, full_matrices=True)
+    rank = int((s > rtol * max(1.0, float(s.max()) if s.numel() else 1.0)).sum())
+    return vh[rank:].T
+
+
+def mdi_operator(seen: Tensor) -> Tensor:
+    """The linear map from Fourier coefficients to those of the min-degree interpolator.
+
+    ``seen`` is a Boolean (2^k,) mask over a small cube. The MDI of g on the seen points is the
+    function that equals g there and has the lexicographically smallest degree profile (Fourier
+    mass of degree k first, then k-1, ...; Abbe et al. 2023). Each degree step is a least-norm
+    problem on an affine set, so the whole map is linear: returns L with ``c_mdi = L @ c``.
+    """
+    size = seen.numel()
+    k = size.bit_length() - 1
+    hadamard = walsh_hadamard(torch.eye(size, dtype=torch.float64))  # H[u, S] (symmetric)
+    vanish = _null_space(hadamard[seen.bool()])  # coefficient vectors that are 0 on every seen point
+    degrees = degree(torch.arange(size))
+    eye = torch.eye(size, dtype=torch.float64)
+    z = torch.zeros(vanish.shape[1], size, dtype=torch.float64)  # c = g + vanish @ z
+    free = torch.eye(vanish.shape[1], dtype=torch.float64)  # z may still move along these columns
+    for d in range(k, -1, -1):
+        if free.shape[1] == 0:
+            break
+        rows = degrees == d
+        a = vanish[rows] @ free
+        residual = (eye + vanish @ z)[rows]
+        z = z - free @ (torch.linalg.pinv(a) @ residual)
+        free = free @ _null_space(a)
+    return eye + vanish @ z
+
+
+def min_degree_interpolator(coefficients: Tensor, seen: Tensor, n: int) -> Tensor:
+    """Fourier coefficients of the MDI of f (given by ``coefficients``) on the seen region.
+
+    ``seen`` is a Boolean mask over the 2^n points. The seen condition usually depends on a few
+    coordinates T; then chi_S = chi_{S & T} chi_{S \\ T}, the factor on T is replaced by its MDI on
+    the seen part of the small cube over T, and the rest is untouched. This is exact, and cheap
+    while |T| is small.
+    """
+    bits = relevant_bits(seen, n)
+    k = len(bits)
+    if k > 12:
+        raise ValueError(
+            f"the seen condition depends on {k} coordinates; the exact MDI is computed only up to 12"
+        )
+    if k == 0:
+        return coefficients.clone()
+    t_mask = sum(1 << b for b in bits)
+    u = torch.arange(2**n)
+    # Seen pattern over the small cube on T (seen depends only on those bits).
+    small = torch.zeros(2**k, dtype=torch.long)
+    for j, b in enumerate(bits):
+        small |= ((torch.arange(2**k) >> j) & 1) << b
+    seen_small = seen[small]
+    operator = mdi_operator(seen_small)
+    # Split every subset S into its part on T (compressed to k bits) and the rest.
+    on_t = torch.zeros_like(u)
+    for j, b in enumerate(bits):
+        on_t |= ((u >> b) & 1) << j
+    rest = u & ~t_mask
+    rest_ids, rest_index = torch.unique(rest, return_inverse=True)
+    grouped = torch.zeros(2**k, rest_ids.numel(), dtype=torch.float64)
+    grouped[on_t, rest_index] = coefficients.to(torch.float64)
+    mapped = operator @ grouped
+    return mapped[on_t, rest_index]

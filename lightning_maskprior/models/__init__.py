@@ -1,0 +1,5 @@
+"""Backbones built from PriorAttention. Each takes the datamodule's TaskSpec as first argument."""
+
+from lightning_maskprior.models.token_transformer import TokenTransformer
+
+__all__ = ["TokenTransformer"]

@@ -1,0 +1,109 @@
+"""GOTU's token transformer (Abbe et al. 2023), built from PriorAttention.
+
+Bits in {-1, +1} are mapped to {0, 1} and embedded, a learnable positional embedding is added,
+pre-norm blocks (attention, GELU MLP) follow, and the pooled sequence goes through LayerNorm + Linear.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_maskprior.attention import PriorAttention
+from lightning_maskprior.priors import Structure
+from lightning_maskprior.task import TaskSpec
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(LN(x)), then x + mlp(LN(x))."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int | None, mlp_dim: int,
+                 dropout: float = 0.0, qkv_bias: bool = False, causal: bool = False) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = PriorAttention(dim, num_heads, head_dim, qkv_bias=qkv_bias,
+                                   attn_drop=dropout, proj_drop=dropout, causal=causal)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, dim),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TokenTransformer(nn.Module):
+    """A transformer over a sequence of discrete tokens with one pooled output.
+
+    Args:
+        task: The task (sequence length, vocabulary, output width); given by the datamodule.
+        dim: Model width.
+        depth: Number of blocks.
+        num_heads: Attention heads per block.
+        head_dim: Width of each head (GOTU: 64 regardless of ``dim``); default ``dim // num_heads``.
+        mlp_dim: Hidden width of the MLP.
+        pooling: ``mean`` over the tokens, or a learnable ``cls`` token read out at position 0.
+            A CLS token attends to every token and no data token attends to it (see
+            ``structure_for_sequence``).
+        pos_init_std: Standard deviation of the positional embedding at init. Large values (GOTU
+            uses 1) drown the prior's signal; 0.02 is the default here (PAPER.md).
+        dropout: Dropout in attention and MLP.
+        qkv_bias: Bias in the query/key/value projection (GOTU: none).
+    """
+
+    def __init__(
+        self,
+        task: TaskSpec,
+        dim: int = 64,
+        depth: int = 4,
+        num_heads: int = 3,
+        head_dim: int | None = 64,
+        mlp_dim: int = 256,
+        pooling: Literal["mean", "cls"] = "mean",
+        pos_init_std: float = 0.02,
+        dropout: float = 0.0,
+        qkv_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        self.seq_len = task.seq_len
+        self.pooling = pooling
+        self.num_extra_tokens = 1 if pooling == "cls" else 0
+        self.token_embedding = nn.Embedding(task.vocab_size, dim)
+        self.pos_embedding = nn.Parameter(
+            torch.randn(1, task.seq_len + self.num_extra_tokens, dim) * pos_init_std
+        )
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * pos_init_std) if pooling == "cls" else None
+        self.blocks = nn.ModuleList(
+            Block(dim, num_heads, head_dim, mlp_dim, dropout, qkv_bias) for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, task.num_outputs)
+
+    def structure_for_sequence(self, structure: Structure) -> Structure:
+        """Map a structure over the data tokens to the sequence the attention sees."""
+        if structure.seq_len != self.seq_len:
+            n = structure.seq_len
+            raise ValueError(f"structure is {n}x{n} but the sequence has {self.seq_len} tokens")
+        return structure.pad(self.num_extra_tokens, attends_to_all=True)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Token + positional embeddings (B, N', dim), CLS first when pooling is ``cls``."""
+        x = self.token_embedding(tokens)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return x + self.pos_embedding
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if tokens.shape[1] != self.seq_len:
+            raise ValueError(f"expected {self.seq_len} tokens per example, got {tokens.shape[1]}")
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = x[:, 0] if self.pooling == "cls" else x.mean(dim=1)
+        return self.head(self.norm(x))

@@ -1,0 +1,160 @@
+"""MaskPriorModule: the one generic LightningModule.
+
+It builds a backbone for the datamodule's task, puts the task's structure where the init method
+says (the additive prior, the query/key weights, or nowhere), and trains with the task's objective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from lightning_maskprior.attention import PriorAttention, attention_layers
+from lightning_maskprior.inits import apply_init, get_init
+from lightning_maskprior.models import TokenTransformer
+from lightning_maskprior.priors import Structure, StructureSpec
+from lightning_maskprior.task import TaskSpec
+
+
+def _adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+class MaskPriorModule(L.LightningModule):
+    """A transformer with a structural prior, trained on any task a datamodule describes.
+
+    Args:
+        backbone: The network, built for the task: a class whose first argument is the TaskSpec
+            (e.g. ``lightning_maskprior.models.TokenTransformer``) with its other arguments in
+            ``init_args``.
+        init: Where the structure goes: ``default`` (nowhere), ``mask`` (learnable prior M),
+            ``zero`` (learnable M = 0), ``fixed`` (frozen M), or a query/key baseline.
+        init_options: Options of the init method, e.g. ``{open_value: 10, closed_value: -10}``
+            for ``mask``.
+        structure: Replace the task's own structure with one given here (pairs, per-head pairs,
+            per-layer lists or a .pt/.npy file).
+        optimizer: Optimizer class and its arguments (default Adam, lr 1e-3).
+        lr_schedule: ``constant`` or ``cosine`` decay to 0 over the whole run, stepped per batch.
+        warmup_steps: Linear warm-up steps before the schedule.
+        prior_weight_decay: Weight decay applied to the prior logits M. 0 by default: decay pulls M
+            towards 0 and would erase the structure for a reason unrelated to the task's gradients.
+            Every other parameter keeps the optimizer's weight decay, for every init method.
+        task: Given by the datamodule (the CLI links it); not set in YAML.
+    """
+
+    def __init__(
+        self,
+        backbone: Callable[[TaskSpec], nn.Module] = TokenTransformer,
+        init: str = "default",
+        init_options: dict[str, Any] | None = None,
+        structure: StructureSpec | None = None,
+        optimizer: OptimizerCallable = _adam,
+        lr_schedule: Literal["constant", "cosine"] = "cosine",
+        warmup_steps: int = 0,
+        prior_weight_decay: float = 0.0,
+        task: TaskSpec | None = None,
+    ) -> None:
+        super().__init__()
+        if task is None:
+            raise ValueError("MaskPriorModule needs the datamodule's TaskSpec (task=dm.task_spec())")
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
+        get_init(init)  # fail early on an unknown name
+        self.save_hyperparameters(ignore=["backbone", "optimizer", "task", "structure"])
+        self.task = task
+        self.init_method = init
+        self.optimizer_factory = optimizer
+        self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
+        self.prior_weight_decay = prior_weight_decay
+
+        self.backbone = backbone(task)
+        self.structure = self._resolve_structure(structure)
+        apply_init(init, self.backbone, self.structure, **(init_options or {}))
+
+        self.objective = task.objective
+        self.metrics = nn.ModuleDict({s: self.objective.make_metrics() for s in ("val", "test")})
+        self.mean_loss = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
+
+    # ----------------------------------------------------------------------------- structure
+    def _resolve_structure(self, spec: StructureSpec | None) -> Structure | None:
+        structure = spec.build(self.task.seq_len) if spec is not None else self.task.structure
+        if structure is None:
+            return None
+        to_sequence = getattr(self.backbone, "structure_for_sequence", None)
+        return to_sequence(structure) if to_sequence is not None else structure
+
+    def attention_layers(self) -> list[PriorAttention]:
+        """The backbone's PriorAttention layers, in order (what callbacks read)."""
+        return attention_layers(self.backbone)
+
+    # ------------------------------------------------------------------------------ steps
+    def forward(self, inputs: Tensor) -> Tensor:
+        return self.backbone(inputs)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.objective.loss(self(batch["inputs"]), batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["inputs"]))
+        return loss
+
+    def _eval_step(self, stage: str, batch: dict[str, Tensor]) -> None:
+        output = self(batch["inputs"])
+        self.mean_loss[stage].update(self.objective.loss(output, batch), weight=len(batch["inputs"]))
+        self.objective.update_metrics(self.metrics[stage], output, batch)
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        if self.trainer.sanity_checking:
+            values = {}
+        else:
+            # compute() synchronises the metric states across DDP ranks.
+            values = {f"{stage}/{k}": v for k, v in self.metrics[stage].compute().items()}
+            values[f"{stage}/loss"] = self.mean_loss[stage].compute()
+        self.metrics[stage].reset()
+        self.mean_loss[stage].reset()
+        if values:
+            # Already identical on every rank; sync_dist only averages equal numbers.
+            self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._eval_step("val", batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._eval_step("test", batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    # ------------------------------------------------------------------------- optimisation
+    def configure_optimizers(self):
+        prior, other = [], []
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                (prior if name.endswith("prior_logits") else other).append(param)
+        groups = [{"params": other}]
+        if prior:
+            groups.append({"params": prior, "weight_decay": self.prior_weight_decay})
+        optimizer = self.optimizer_factory(groups)
+        if self.lr_schedule == "constant" and self.warmup_steps == 0:
+            return optimizer
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup, cosine = self.warmup_steps, self.lr_schedule == "cosine"
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if not cosine:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,65 @@
+"""Objectives: a task's loss and its torchmetrics, shared by the datamodules."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import MeanMetric, MeanSquaredError, MetricCollection
+
+from lightning_maskprior.task import Objective
+
+
+def nearest_label(pred: Tensor, label_values: Tensor | None) -> Tensor:
+    """Round predictions to the nearest admissible label (nearest integer when ``label_values`` is None)."""
+    if label_values is None:
+        return pred.round()
+    labels = label_values.to(pred)
+    return labels[(pred.unsqueeze(-1) - labels).abs().argmin(dim=-1)]
+
+
+class RegressionObjective(Objective):
+    """MSE on a scalar target, with accuracy of the nearest admissible label.
+
+    Reported on every evaluated point (``acc``, ``mse``), on the unseen slice alone
+    (``unseen_acc``, ``unseen_mse``), and for the min-degree interpolator (``mdi_acc``, ``mdi_mse``)
+    when batches carry ``unseen`` and ``mdi`` entries.
+
+    Args:
+        label_values: The admissible labels (e.g. [-1, 1]: accuracy of the sign), or None to round
+            to the nearest integer.
+    """
+
+    monitor = "mse"
+    monitor_mode = "min"
+
+    def __init__(self, label_values: list[float] | None = None) -> None:
+        super().__init__()
+        values = None if label_values is None else torch.tensor(sorted(label_values), dtype=torch.float32)
+        self.register_buffer("label_values", values, persistent=False)
+
+    def loss(self, output: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        return F.mse_loss(output.squeeze(-1), batch["target"])
+
+    def make_metrics(self) -> MetricCollection:
+        metrics = {}
+        for prefix in ("", "unseen_", "mdi_"):
+            metrics[f"{prefix}acc"] = MeanMetric()
+            metrics[f"{prefix}mse"] = MeanSquaredError()
+        return MetricCollection(metrics, compute_groups=False)
+
+    def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
+        target = batch["target"]
+        pred = output.squeeze(-1).float()
+        self._update(metrics, "", pred, target)
+        if "unseen" in batch:
+            unseen = batch["unseen"]
+            if unseen.any():
+                self._update(metrics, "unseen_", pred[unseen], target[unseen])
+        if "mdi" in batch:
+            self._update(metrics, "mdi_", batch["mdi"].float(), target)
+
+    def _update(self, metrics: MetricCollection, prefix: str, pred: Tensor, target: Tensor) -> None:
+        correct = nearest_label(pred, self.label_values) == nearest_label(target, self.label_values)
+        metrics[f"{prefix}acc"].update(correct.float())
+        metrics[f"{prefix}mse"].update(pred, target)

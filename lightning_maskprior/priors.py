@@ -1,0 +1,273 @@
+"""Structure: which token pairs should interact, per layer and head, and the builders that make one.
+
+A Structure is only Booleans. Where it goes (an additive mask, the query/key weights, nowhere) is
+decided by an init method in ``inits.py``; the open/closed values belong to that init.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+Pair = tuple[int, int]
+
+
+class Structure:
+    """Open token pairs as a Boolean tensor of shape (layers, heads, N, N).
+
+    ``open[l, h, i, j]`` is True when token i may attend to token j in layer l, head h. A size-1
+    layer or head axis means "the same in every layer/head". Every row must have an open entry:
+    a row that is all closed adds one constant to every logit, softmax cancels it, and the row
+    becomes fully open (PAPER.md). Builders keep the diagonal open for that reason.
+
+    Args:
+        open: Boolean tensor of shape (N, N), (heads, N, N) or (layers, heads, N, N).
+        name: A short description for logs and error messages.
+    """
+
+    def __init__(self, open: Tensor, name: str = "structure") -> None:
+        open = torch.as_tensor(open)
+        if open.dtype != torch.bool:
+            if not torch.all((open == 0) | (open == 1)):
+                raise ValueError(f"{name}: structure entries must be Boolean (0/1), got other values")
+            open = open.bool()
+        while open.dim() < 4:
+            open = open.unsqueeze(0)
+        if open.dim() != 4 or open.shape[-1] != open.shape[-2]:
+            raise ValueError(
+                f"{name}: structure must have shape (layers, heads, N, N), got {tuple(open.shape)}"
+            )
+        empty = ~open.any(dim=-1)
+        if empty.any():
+            layer, head, row = (int(i) for i in empty.nonzero()[0])
+            raise ValueError(
+                f"{name}: row {row} (layer {layer}, head {head}) has no open entry; an all-closed "
+                "row is uniform attention after softmax. Open at least its diagonal entry."
+            )
+        self.open = open.cpu()
+        self.name = name
+
+    @property
+    def num_layers(self) -> int:
+        return self.open.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.open.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.open.shape[-1]
+
+    def __repr__(self) -> str:
+        return (
+            f"Structure({self.name!r}, layers={self.num_layers}, heads={self.num_heads}, "
+            f"N={self.seq_len}, open={self.open.float().mean().item():.3f})"
+        )
+
+    def layer(self, index: int) -> Tensor:
+        """The (heads, N, N) Boolean pattern of layer ``index`` (broadcast if shared)."""
+        return self.open[index if self.num_layers > 1 else 0]
+
+    def for_model(self, num_layers: int, num_heads: int) -> Structure:
+        """Check the structure fits a model with ``num_layers`` x ``num_heads`` (size-1 axes broadcast)."""
+        if self.num_layers not in (1, num_layers):
+            raise ValueError(
+                f"{self.name} has {self.num_layers} layers but the model has {num_layers} "
+                "(give 1 to share one pattern across layers)"
+            )
+        if self.num_heads not in (1, num_heads):
+            raise ValueError(
+                f"{self.name} has {self.num_heads} heads but the model has {num_heads} "
+                "(give 1 to share one pattern across heads)"
+            )
+        return self
+
+    def expanded(self, num_layers: int, num_heads: int) -> Tensor:
+        """The open pattern as a full (num_layers, num_heads, N, N) tensor."""
+        self.for_model(num_layers, num_heads)
+        return self.open.expand(num_layers, num_heads, -1, -1)
+
+    def logits(self, open_value: float, closed_value: float) -> Tensor:
+        """Prior logits M: ``open_value`` on open pairs, ``closed_value`` elsewhere (float32)."""
+        check_open_closed(open_value, closed_value)
+        return torch.where(self.open, float(open_value), float(closed_value))
+
+    def pad(self, before: int = 0, attends_to_all: bool = True) -> Structure:
+        """Prepend ``before`` extra tokens (e.g. a CLS token).
+
+        The new tokens attend to everything (``attends_to_all``) or only to themselves; the original
+        tokens do not attend to them, so the original structure is unchanged on its own tokens.
+        """
+        if before == 0:
+            return self
+        layers, heads, n, _ = self.open.shape
+        out = torch.zeros(layers, heads, n + before, n + before, dtype=torch.bool)
+        out[..., before:, before:] = self.open
+        if attends_to_all:
+            out[..., :before, :] = True
+        else:
+            idx = torch.arange(before)
+            out[..., idx, idx] = True
+        return Structure(out, name=f"{self.name}+{before}")
+
+
+def check_open_closed(open_value: float, closed_value: float) -> None:
+    if not open_value > closed_value:
+        raise ValueError(
+            f"open value ({open_value}) must be greater than closed value ({closed_value})"
+        )
+
+
+# ------------------------------------------------------------------------------------ builders
+def _pairs_to_open(n: int, pairs: Iterable[Sequence[int]], symmetric: bool, diagonal: bool) -> Tensor:
+    open = torch.eye(n, dtype=torch.bool) if diagonal else torch.zeros(n, n, dtype=torch.bool)
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"a pair must have two token indices, got {list(pair)}")
+        i, j = (int(t) for t in pair)
+        for t in (i, j):
+            if not 0 <= t < n:
+                raise ValueError(f"pair {list(pair)} has token {t}, outside 0..{n - 1}")
+        open[i, j] = True
+        if symmetric:
+            open[j, i] = True
+    return open
+
+
+def pairs(n: int, open_pairs: Iterable[Sequence[int]], symmetric: bool = True,
+          diagonal: bool = True, name: str = "pairs") -> Structure:
+    """Every layer and head: the listed pairs open (both ways if ``symmetric``), plus the diagonal."""
+    return Structure(_pairs_to_open(n, open_pairs, symmetric, diagonal), name=name)
+
+
+def pairs_per_head(n: int, head_pairs: Sequence[Iterable[Sequence[int]]], symmetric: bool = True,
+                   diagonal: bool = True, name: str = "pairs_per_head") -> Structure:
+    """Head h opens the pairs in ``head_pairs[h]`` (shared by every layer), plus the diagonal."""
+    heads = [_pairs_to_open(n, p, symmetric, diagonal) for p in head_pairs]
+    return Structure(torch.stack(heads), name=name)
+
+
+def diagonal(n: int, name: str = "diagonal") -> Structure:
+    """Each token attends only to itself (Majority: no off-diagonal interactions)."""
+    return Structure(torch.eye(n, dtype=torch.bool), name=name)
+
+
+def cyclic_window(n: int, offsets: Sequence[int] = (0, 1, 2), name: str = "cyclic_window") -> Structure:
+    """Token i attends to tokens (i + o) mod n for each offset o, in every layer.
+
+    Composed over layers the receptive field grows, so a window of three consecutive bits (Cyclic3's
+    monomials x_i x_{i+1} x_{i+2}) is covered already by the first layer.
+    """
+    open = torch.zeros(n, n, dtype=torch.bool)
+    idx = torch.arange(n)
+    for offset in offsets:
+        open[idx, (idx + int(offset)) % n] = True
+    if not (open.diagonal()).all():
+        open |= torch.eye(n, dtype=torch.bool)
+    return Structure(open, name=name)
+
+
+def full(n: int, name: str = "full") -> Structure:
+    """Every pair open: the prior is a constant and has no effect."""
+    return Structure(torch.ones(n, n, dtype=torch.bool), name=name)
+
+
+def grid_impulse(height: int, width: int, offsets: Sequence[Pair] | None = None,
+                 name: str = "grid_impulse") -> Structure:
+    """Per-head 3x3 impulse on a ``height`` x ``width`` patch grid (row-major tokens).
+
+    Head h: patch (r, c) attends to patch (r + dr, c + dc) for the h-th offset (dr, dc); at the
+    border, where that neighbour does not exist, it keeps its own entry open so no row is empty.
+    Default offsets: centre, up, right, left, down, up-left, up-right, down-left, down-right.
+    """
+    offsets = list(offsets if offsets is not None else IMPULSE_OFFSETS)
+    n = height * width
+    heads = []
+    rows = torch.arange(height).repeat_interleave(width)
+    cols = torch.arange(width).repeat(height)
+    for dr, dc in offsets:
+        open = torch.zeros(n, n, dtype=torch.bool)
+        r2, c2 = rows + dr, cols + dc
+        inside = (r2 >= 0) & (r2 < height) & (c2 >= 0) & (c2 < width)
+        src = torch.arange(n)
+        open[src[inside], (r2 * width + c2)[inside]] = True
+        open[src[~inside], src[~inside]] = True
+        heads.append(open)
+    return Structure(torch.stack(heads), name=name)
+
+
+# (row offset, column offset): centre, up, right, left, down, up-left, up-right, down-left, down-right
+IMPULSE_OFFSETS: list[Pair] = [
+    (0, 0), (-1, 0), (0, 1), (0, -1), (1, 0), (-1, -1), (-1, 1), (1, -1), (1, 1),
+]
+
+
+# ------------------------------------------------------------------------------- user structures
+@dataclass
+class StructureSpec:
+    """A structure given in YAML. Exactly one of ``pairs``, ``heads``, ``layers`` or ``file``.
+
+    Args:
+        pairs: Open token pairs ``[[i, j], ...]``, the same in every layer and head.
+        heads: One list of pairs per head: ``[[[0, 1]], [[1, 2]], [[2, 0]]]``.
+        layers: One entry per layer, each a list of per-head pair lists.
+        file: A ``.pt`` or ``.npy`` file holding a Boolean array of shape (N, N), (heads, N, N) or
+            (layers, heads, N, N).
+        symmetric: Open (j, i) whenever (i, j) is listed.
+        diagonal: Keep every token's own entry open (recommended: an all-closed row is uniform).
+    """
+
+    pairs: list[list[int]] | None = None
+    heads: list[list[list[int]]] | None = None
+    layers: list[list[list[list[int]]]] | None = None
+    file: str | None = None
+    symmetric: bool = True
+    diagonal: bool = True
+
+    def build(self, seq_len: int) -> Structure:
+        given = [k for k in ("pairs", "heads", "layers", "file") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"a structure needs exactly one of pairs, heads, layers or file; got {given or 'none'}"
+            )
+        if self.file is not None:
+            structure = load_structure_file(self.file)
+        elif self.pairs is not None:
+            structure = pairs(seq_len, self.pairs, self.symmetric, self.diagonal, name="yaml pairs")
+        elif self.heads is not None:
+            structure = pairs_per_head(seq_len, self.heads, self.symmetric, self.diagonal, "yaml heads")
+        else:
+            layer_list = [
+                torch.stack([_pairs_to_open(seq_len, p, self.symmetric, self.diagonal) for p in layer])
+                for layer in self.layers
+            ]
+            if len({t.shape[0] for t in layer_list}) != 1:
+                raise ValueError("every layer of a structure must list the same number of heads")
+            structure = Structure(torch.stack(layer_list), name="yaml layers")
+        if structure.seq_len != seq_len:
+            n = structure.seq_len
+            raise ValueError(f"structure is {n}x{n} but the sequence has {seq_len} tokens")
+        return structure
+
+
+def load_structure_file(path: str | Path) -> Structure:
+    """Load a Boolean structure from a ``.pt`` (torch.save) or ``.npy`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"structure file {path} does not exist")
+    if path.suffix == ".npy":
+        import numpy as np
+
+        data = torch.from_numpy(np.load(path))
+    elif path.suffix in (".pt", ".pth"):
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(data, Structure):
+            return data
+    else:
+        raise ValueError(f"structure file {path} must end in .pt or .npy, not {path.suffix!r}")
+    return Structure(data, name=path.name)

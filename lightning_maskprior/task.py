@@ -1,0 +1,60 @@
+"""What a datamodule tells the model: sequence shape, objective (loss + metrics) and Structure.
+
+A datamodule returns a TaskSpec from ``task_spec()``; the CLI hands it to MaskPriorModule, which
+builds its backbone for that task and trains with the task's Objective. The module never needs to
+know which benchmark it is running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+from torchmetrics import MetricCollection
+
+from lightning_maskprior.priors import Structure
+
+
+class Objective(nn.Module):
+    """A task's loss and metrics. Subclasses implement the three methods below.
+
+    Batches are dicts; ``batch["inputs"]`` goes to the backbone, the rest is for the objective.
+    """
+
+    def loss(self, output: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def make_metrics(self) -> MetricCollection:
+        """A fresh collection of evaluation metrics, logged as ``<stage>/<name>``."""
+        raise NotImplementedError
+
+    def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
+        raise NotImplementedError
+
+    # The metric that names the best checkpoint and the one printed first after fit.
+    monitor: str = "loss"
+    monitor_mode: str = "min"
+
+
+@dataclass
+class TaskSpec:
+    """The facts about a task that the backbone and the module need.
+
+    Args:
+        name: Task name, for logs.
+        seq_len: Number of input tokens the attention sees (before any CLS token).
+        vocab_size: Number of distinct input token ids.
+        num_outputs: Width of the backbone's output per example (or per read-out token).
+        objective: Loss and metrics.
+        structure: The task's oracle interaction structure, or None.
+        extras: Anything else a specific backbone needs (e.g. image size for a ViT).
+    """
+
+    name: str
+    seq_len: int
+    vocab_size: int
+    num_outputs: int
+    objective: Objective
+    structure: Structure | None = None
+    extras: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,31 @@
+"""Shared fixtures: a tiny Boolean task and model that train in seconds on a CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def tiny_args(tmp_path) -> list[str]:
+    """CLI overrides that shrink a Boolean config to a seconds-long run."""
+    return [
+        "--data.init_args.n", "6",
+        "--data.init_args.eval_batch_size", "64",
+        "--model.backbone.init_args.dim", "16",
+        "--model.backbone.init_args.depth", "2",
+        "--model.backbone.init_args.head_dim", "8",
+        "--model.backbone.init_args.mlp_dim", "32",
+        "--trainer.max_epochs", "2",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(tmp_path / "runs"),
+    ]

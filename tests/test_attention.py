@@ -1,0 +1,91 @@
+"""PriorAttention against a hand-written softmax reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_maskprior.attention import PriorAttention, attention_probabilities
+
+
+def reference_attention(layer: PriorAttention, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + log sigmoid(M)) v, written out by hand."""
+    b, n, _ = x.shape
+    h, d = layer.num_heads, layer.head_dim
+    q, k, v = layer.qkv(x).split(layer.inner_dim, dim=-1)
+    q, k, v = (t.view(b, n, h, d).transpose(1, 2) for t in (q, k, v))
+    logits = torch.einsum("bhid,bhjd->bhij", q, k) / d**0.5
+    if layer.prior_logits is not None:
+        logits = logits + torch.log(torch.sigmoid(layer.prior_scale * layer.prior_logits))
+    if causal:
+        logits = logits.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+    probs = torch.exp(logits - logits.amax(-1, keepdim=True))
+    probs = probs / probs.sum(-1, keepdim=True)
+    out = (probs @ v).transpose(1, 2).reshape(b, n, h * d)
+    return layer.proj(out)
+
+
+@pytest.mark.parametrize("heads_in_prior", [1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_and_prior_gradient_match_reference(heads_in_prior, causal):
+    torch.manual_seed(0)
+    layer = PriorAttention(dim=12, num_heads=3, head_dim=5, causal=causal).double()
+    layer.set_prior(torch.randn(heads_in_prior, 7, 7) * 3, trainable=True, scale=1.5)
+    x = torch.randn(4, 7, 12, dtype=torch.float64)
+    out = layer(x)
+    ref = reference_attention(layer, x, causal)
+    torch.testing.assert_close(out, ref)
+    grad = torch.autograd.grad(out.square().sum(), layer.prior_logits)[0]
+    grad_ref = torch.autograd.grad(ref.square().sum(), layer.prior_logits)[0]
+    torch.testing.assert_close(grad, grad_ref)
+    assert grad.abs().sum() > 0
+
+
+def test_no_prior_is_plain_sdpa():
+    torch.manual_seed(0)
+    layer = PriorAttention(dim=8, num_heads=2)
+    x = torch.randn(2, 5, 8)
+    q, k, v = layer.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+    plain = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 8)
+    torch.testing.assert_close(layer(x), layer.proj(plain))
+    assert not any("prior" in name for name, _ in layer.named_parameters())
+
+
+def test_strong_prior_restricts_attention_to_open_entries():
+    torch.manual_seed(0)
+    layer = PriorAttention(dim=8, num_heads=1)
+    open = torch.eye(5, dtype=torch.bool)
+    layer.set_prior(torch.where(open, 10.0, -10.0))
+    (probs,) = attention_probabilities(layer, torch.randn(3, 5, 8))
+    assert probs.shape == (3, 1, 5, 5)
+    assert probs.diagonal(dim1=-2, dim2=-1).min() > 0.99
+
+
+def test_recorded_probabilities_match_reference_softmax():
+    torch.manual_seed(1)
+    layer = PriorAttention(dim=8, num_heads=2, causal=True)
+    layer.set_prior(torch.randn(2, 6, 6))
+    x = torch.randn(2, 6, 8)
+    (probs,) = attention_probabilities(layer, x)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 2, 6))
+    assert torch.all(probs.triu(1) == 0)
+
+
+def test_prior_size_mismatch_names_both_sizes():
+    layer = PriorAttention(dim=8, num_heads=2)
+    layer.set_prior(torch.zeros(16, 16))
+    with pytest.raises(ValueError, match="prior is 16x16 but the sequence has 15 tokens"):
+        layer(torch.randn(1, 15, 8))
+
+
+def test_prior_head_count_must_match():
+    layer = PriorAttention(dim=8, num_heads=2)
+    with pytest.raises(ValueError, match="3 heads but the layer has 2"):
+        layer.set_prior(torch.zeros(3, 4, 4))
+
+
+def test_fixed_prior_is_not_trained():
+    layer = PriorAttention(dim=8, num_heads=2)
+    layer.set_prior(torch.zeros(4, 4), trainable=False)
+    assert not layer.prior_logits.requires_grad
+    layer(torch.randn(1, 4, 8)).sum().backward()
+    assert layer.prior_logits.grad is None
