@@ -182,6 +182,8 @@ class BooleanGOTUDataModule(L.LightningDataModule):
             num_outputs=1,
             objective=RegressionObjective(self.label_values),
             structure=self.structure(),
+            # PAPER.md: Boolean masks open = +10, closed = -10.
+            init_defaults={m: {"open_value": 10.0, "closed_value": -10.0} for m in ("mask", "fixed")},
         )
 
     # ------------------------------------------------------------------------------ the data

@@ -37,7 +37,8 @@ class MaskPriorModule(L.LightningModule):
         init: Where the structure goes: ``default`` (nowhere), ``mask`` (learnable prior M),
             ``zero`` (learnable M = 0), ``fixed`` (frozen M), or a query/key baseline.
         init_options: Options of the init method, e.g. ``{open_value: 10, closed_value: -10}``
-            for ``mask``.
+            for ``mask``. They override, key by key, the task's defaults for that method
+            (``TaskSpec.init_defaults``: the paper's values for each benchmark).
         structure: Replace the task's own structure with one given here (pairs, per-head pairs,
             per-layer lists or a .pt/.npy file).
         optimizer: Optimizer class and its arguments (default Adam, lr 1e-3).
@@ -76,7 +77,8 @@ class MaskPriorModule(L.LightningModule):
 
         self.backbone = backbone(task)
         self.structure = self._resolve_structure(structure)
-        apply_init(init, self.backbone, self.structure, **(init_options or {}))
+        self.init_options = {**task.init_defaults.get(init, {}), **(init_options or {})}
+        apply_init(init, self.backbone, self.structure, **self.init_options)
 
         self.objective = task.objective
         self.metrics = nn.ModuleDict({s: self.objective.make_metrics() for s in ("val", "test")})

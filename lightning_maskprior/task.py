@@ -48,6 +48,9 @@ class TaskSpec:
         num_outputs: Width of the backbone's output per example (or per read-out token).
         objective: Loss and metrics.
         structure: The task's oracle interaction structure, or None.
+        init_defaults: Default options per init method for this task, e.g. the paper's mask values
+            ``{"mask": {"open_value": 5.0, "closed_value": -5.0}}``; ``model.init_options`` in YAML
+            overrides them key by key.
         extras: Anything else a specific backbone needs (e.g. image size for a ViT).
     """
 
@@ -57,4 +60,5 @@ class TaskSpec:
     num_outputs: int
     objective: Objective
     structure: Structure | None = None
+    init_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
