@@ -207,6 +207,73 @@ IMPULSE_OFFSETS: list[Pair] = [
 ]
 
 
+# ------------------------------------------------------------------------------ digit arithmetic
+# Operand tokens: a's digits then b's digits, each most significant first: for 3 digits the tokens
+# are [a2 a1 a0 b2 b1 b0], and token i holds the digit of power 10^(num_digits - 1 - i % num_digits).
+def _digit_powers(num_digits: int) -> Tensor:
+    return num_digits - 1 - torch.arange(2 * num_digits) % num_digits
+
+
+def _operand_heads(heads: list[Tensor], name: str) -> Structure:
+    eye = torch.eye(len(heads[0]), dtype=torch.bool)
+    return Structure(torch.stack([h | eye for h in heads]), name=name)
+
+
+def digit_addition(num_digits: int = 3, num_heads: int = 4, name: str = "addition") -> Structure:
+    """Addition of two ``num_digits``-digit operands: even heads sum aligned digits, odd heads carry.
+
+    Sum heads: each digit and the other operand's digit of the same power attend to each other.
+    Carry heads: each digit attends to every digit (of both operands) of a lower power, where its
+    carry comes from. One head gets both patterns. Every head keeps the diagonal open.
+    """
+    power = _digit_powers(num_digits)
+    a_side = torch.arange(2 * num_digits) < num_digits
+    aligned = (power[:, None] == power[None, :]) & (a_side[:, None] != a_side[None, :])
+    carry = power[None, :] < power[:, None]
+    if num_heads == 1:
+        return _operand_heads([aligned | carry], name)
+    return _operand_heads([aligned if h % 2 == 0 else carry for h in range(num_heads)], name)
+
+
+def digit_multiplication(num_digits: int = 3, num_heads: int = 4, name: str = "multiplication") -> Structure:
+    """Multiplication: the num_digits^2 cross-operand digit pairs (a_i, b_j), spread over heads.
+
+    Pairs are grouped by their cyclic shift s = (j - i) mod num_digits: each shift pairs every digit
+    of a with exactly one digit of b. Shift s goes to head s mod num_heads (so every pair is covered
+    however few heads there are); heads beyond num_digits open every cross pair. Symmetric, with
+    the diagonal open.
+    """
+    n = 2 * num_digits
+    heads = [torch.zeros(n, n, dtype=torch.bool) for _ in range(num_heads)]
+    for i in range(num_digits):
+        for j in range(num_digits):
+            h = (j - i) % num_digits % num_heads
+            heads[h][i, num_digits + j] = heads[h][num_digits + j, i] = True
+    for h in range(num_digits, num_heads):
+        heads[h][:num_digits, num_digits:] = heads[h][num_digits:, :num_digits] = True
+    return _operand_heads(heads, name)
+
+
+def with_answer_tokens(structure: Structure, num_digits: int, num_answer: int) -> Structure:
+    """Append ``num_answer`` answer tokens (most significant first) to an operand-digit structure.
+
+    The answer digit of power p is a function of the operand digits of power <= p alone (higher
+    digits cannot reach it; lower ones bring the carries), for addition and multiplication alike.
+    So answer token k (power num_answer - 1 - k) attends to those operand digits and to itself, in
+    every layer and head. Operand tokens do not attend to answer tokens (which carry no data).
+    """
+    layers, heads, n, _ = structure.open.shape
+    if n != 2 * num_digits:
+        raise ValueError(f"{structure.name} has {n} tokens, expected 2 * {num_digits} operand digits")
+    out = torch.zeros(layers, heads, n + num_answer, n + num_answer, dtype=torch.bool)
+    out[..., :n, :n] = structure.open
+    answer_power = num_answer - 1 - torch.arange(num_answer)
+    reads = _digit_powers(num_digits)[None, :] <= answer_power[:, None]
+    out[..., n:, :n] = reads
+    out[..., n:, n:] = torch.eye(num_answer, dtype=torch.bool)
+    return Structure(out, name=f"{structure.name}+{num_answer} answer tokens")
+
+
 # ------------------------------------------------------------------------------- user structures
 @dataclass
 class StructureSpec:
