@@ -63,3 +63,46 @@ class RegressionObjective(Objective):
         correct = nearest_label(pred, self.label_values) == nearest_label(target, self.label_values)
         metrics[f"{prefix}acc"].update(correct.float())
         metrics[f"{prefix}mse"].update(pred, target)
+
+
+class DigitsObjective(Objective):
+    """Cross-entropy per answer digit, with sequence accuracy (every digit right) and digit accuracy.
+
+    The backbone predicts every digit in one pass: output (B, num_digits, base) per read-out token,
+    or (B, num_digits * base) from a pooled head (digit-major). ``batch["digits"]`` is (B, num_digits).
+
+    Args:
+        num_digits: Answer digits per example.
+        base: Classes per digit (10).
+    """
+
+    monitor = "seq_acc"
+    monitor_mode = "max"
+
+    def __init__(self, num_digits: int, base: int = 10) -> None:
+        super().__init__()
+        self.num_digits, self.base = num_digits, base
+
+    def digit_logits(self, output: Tensor) -> Tensor:
+        """The output as (B, num_digits, base) logits."""
+        expected = (self.num_digits, self.base)
+        if output.dim() == 2 and output.shape[1] == self.num_digits * self.base:
+            return output.view(-1, *expected)
+        if output.dim() == 3 and tuple(output.shape[1:]) == expected:
+            return output
+        raise ValueError(
+            f"expected backbone output (B, {self.num_digits}, {self.base}) or (B, {self.num_digits * self.base}), "
+            f"got {tuple(output.shape)}"
+        )
+
+    def loss(self, output: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.digit_logits(output)
+        return F.cross_entropy(logits.reshape(-1, self.base).float(), batch["digits"].reshape(-1))
+
+    def make_metrics(self) -> MetricCollection:
+        return MetricCollection({"seq_acc": MeanMetric(), "digit_acc": MeanMetric()}, compute_groups=False)
+
+    def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
+        correct = self.digit_logits(output).argmax(dim=-1) == batch["digits"]
+        metrics["seq_acc"].update(correct.all(dim=1).float())
+        metrics["digit_acc"].update(correct.float())
