@@ -49,6 +49,9 @@ class TokenTransformer(nn.Module):
         pooling: ``mean`` over the tokens, or a learnable ``cls`` token read out at position 0.
             A CLS token attends to every token and no data token attends to it (see
             ``structure_for_sequence``).
+            Or ``tokens``: the head reads every token listed in the task's
+            ``extras["readout_positions"]`` (e.g. arithmetic answer tokens) and the output is
+            (B, len(readout_positions), num_outputs).
         pos_init_std: Standard deviation of the positional embedding at init. Large values (GOTU
             uses 1) drown the prior's signal; 0.02 is the default here (PAPER.md).
         dropout: Dropout in attention and MLP.
@@ -63,14 +66,17 @@ class TokenTransformer(nn.Module):
         num_heads: int = 3,
         head_dim: int | None = 64,
         mlp_dim: int = 256,
-        pooling: Literal["mean", "cls"] = "mean",
+        pooling: Literal["mean", "cls", "tokens"] = "mean",
         pos_init_std: float = 0.02,
         dropout: float = 0.0,
         qkv_bias: bool = False,
     ) -> None:
         super().__init__()
-        if pooling not in ("mean", "cls"):
-            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        if pooling not in ("mean", "cls", "tokens"):
+            raise ValueError(f"pooling must be 'mean', 'cls' or 'tokens', got {pooling!r}")
+        self.readout_positions = list(task.extras.get("readout_positions", []))
+        if pooling == "tokens" and not self.readout_positions:
+            raise ValueError(f"pooling 'tokens' needs extras['readout_positions'], which task {task.name!r} lacks")
         self.seq_len = task.seq_len
         self.pooling = pooling
         self.num_extra_tokens = 1 if pooling == "cls" else 0
@@ -105,5 +111,8 @@ class TokenTransformer(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        x = x[:, 0] if self.pooling == "cls" else x.mean(dim=1)
+        if self.pooling == "tokens":
+            x = x[:, self.readout_positions]
+        else:
+            x = x[:, 0] if self.pooling == "cls" else x.mean(dim=1)
         return self.head(self.norm(x))
