@@ -78,6 +78,7 @@ class TokenTransformer(nn.Module):
         if pooling == "tokens" and not self.readout_positions:
             raise ValueError(f"pooling 'tokens' needs extras['readout_positions'], which task {task.name!r} lacks")
         self.seq_len = task.seq_len
+        self.vocab_size = task.vocab_size
         self.pooling = pooling
         self.num_extra_tokens = 1 if pooling == "cls" else 0
         self.token_embedding = nn.Embedding(task.vocab_size, dim)
@@ -104,6 +105,30 @@ class TokenTransformer(nn.Module):
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         return x + self.pos_embedding
+
+    # ------------------------------------------- what the query/key inits read (see inits.py)
+    def positional_embedding(self) -> Tensor:
+        """(N', dim): what each position of the attention's sequence carries, tokens aside.
+
+        The CLS row (pooling ``cls``) is the CLS token plus its position: it carries no token.
+        """
+        pos = self.pos_embedding[0].detach().clone()
+        if self.cls_token is not None:
+            pos[0] += self.cls_token[0, 0].detach()
+        return pos
+
+    @torch.no_grad()
+    def scale_positional_embedding(self, factor: float) -> None:
+        """Multiply the positional embedding in place (the QK-SVD reference scales it by 18)."""
+        self.pos_embedding.mul_(factor)
+
+    def attention_norms(self) -> list[nn.Module]:
+        """The LayerNorm applied to the residual stream before each attention layer, in order."""
+        return [block.norm1 for block in self.blocks]
+
+    def example_inputs(self, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
+        """A batch of uniformly random token sequences (for Boolean tasks: uniform on the cube)."""
+        return torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=generator)
 
     def forward(self, tokens: Tensor) -> Tensor:
         if tokens.shape[1] != self.seq_len:
