@@ -1,0 +1,179 @@
+"""Low-data arithmetic: every ordered pair of 3-digit operands, a small seeded fraction to train on.
+
+Digit order (tokens and labels): most significant digit first, as written. For a + b with 3-digit
+operands the input tokens are ``[a2 a1 a0 b2 b1 b0]`` (a = 100 a2 + 10 a1 + a0) and the answer
+digits are ``[s3 s2 s1 s0]`` (4 for addition, 6 for multiplication, zero-padded to fixed width).
+With ``answer_tokens`` the inputs also carry one blank token (id 10) per answer digit, in the same
+order, and the backbone reads each answer digit at its token (``pooling: tokens``); without it the
+backbone sees the 6 digits only and predicts all answer digits from one pooled vector.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from lightning_maskprior import priors
+from lightning_maskprior.data import TensorDictDataset, eval_loader, train_loader
+from lightning_maskprior.objectives import DigitsObjective
+from lightning_maskprior.priors import Structure
+from lightning_maskprior.task import TaskSpec
+
+OPERATIONS = ("add", "mul")
+# PAPER.md, Table 2: 3% of the pairs for multiplication, 0.4% for addition.
+PAPER_FRACTIONS = {"add": 0.004, "mul": 0.03}
+BLANK = 10  # token id of an answer token: a placeholder the model writes the answer digit into
+
+
+def to_digits(values: Tensor, width: int) -> Tensor:
+    """Integers (B,) to (B, width) digits, most significant first, zero-padded."""
+    powers = 10 ** torch.arange(width - 1, -1, -1, device=values.device)
+    return values[:, None] // powers % 10
+
+
+def from_digits(digits: Tensor) -> Tensor:
+    """(B, width) digits, most significant first, back to integers (B,)."""
+    powers = 10 ** torch.arange(digits.shape[1] - 1, -1, -1, device=digits.device)
+    return (digits * powers).sum(dim=1)
+
+
+def answer_width(operation: str, num_digits: int) -> int:
+    """Digits of the largest answer: num_digits + 1 for a sum, 2 num_digits for a product."""
+    return num_digits + 1 if operation == "add" else 2 * num_digits
+
+
+class ArithmeticDataModule(L.LightningDataModule):
+    """Digit-tokenised addition or multiplication of every ordered pair of ``num_digits``-digit operands.
+
+    All 10^(2 num_digits) pairs (10^6 for 3 digits, operands 000-999) are generated in ``setup``;
+    a seeded random ``train_fraction`` of them is the training set and the remaining pairs are held
+    out. Test covers the whole held-out remainder (or a seeded ``test_size`` sample of it);
+    validation a seeded ``val_size`` sample of it, for speed. The split depends only on ``seed``,
+    so every DDP rank builds the same data.
+
+    Args:
+        operation: ``add`` or ``mul``.
+        train_fraction: Fraction of all pairs used for training, in (0, 1). Default: the paper's,
+            0.004 for addition and 0.03 for multiplication.
+        num_digits: Digits per operand (paper: 3).
+        answer_tokens: Append one blank token per answer digit to the input (read out with
+            ``pooling: tokens``); False gives the 6 operand digits only (read out with a pooled head).
+        structure_heads: Heads of the task's structure; must equal the backbone's ``num_heads``.
+        val_size: Held-out pairs evaluated at each validation (None: all of them).
+        test_size: Held-out pairs evaluated by ``test`` (None: all of them).
+        batch_size: Training batch size (paper: 256).
+        eval_batch_size: Batch size for validation and test.
+        seed: Seed of the split, the validation/test samples and the shuffling.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        operation: str = "add",
+        train_fraction: float | None = None,
+        num_digits: int = 3,
+        answer_tokens: bool = True,
+        structure_heads: int = 4,
+        val_size: int | None = 20_000,
+        test_size: int | None = None,
+        batch_size: int = 256,
+        eval_batch_size: int = 4096,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if operation not in OPERATIONS:
+            raise ValueError(f"unknown arithmetic operation {operation!r}; expected one of {list(OPERATIONS)}")
+        if train_fraction is None:
+            train_fraction = PAPER_FRACTIONS[operation]
+        if not 0.0 < float(train_fraction) < 1.0:
+            raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")
+        if not 1 <= num_digits <= 4:
+            raise ValueError(f"num_digits must be 1..4 (10^(2 num_digits) pairs are generated), got {num_digits}")
+        if structure_heads < 1:
+            raise ValueError(f"structure_heads must be positive, got {structure_heads}")
+        for name, size in (("val_size", val_size), ("test_size", test_size)):
+            if size is not None and size < 1:
+                raise ValueError(f"{name} must be positive or None (all held-out pairs), got {size}")
+        if batch_size < 1 or eval_batch_size < 1:
+            raise ValueError(f"batch sizes must be positive, got {batch_size} and {eval_batch_size}")
+        self.operation, self.train_fraction, self.num_digits = operation, float(train_fraction), num_digits
+        self.answer_tokens, self.structure_heads = answer_tokens, structure_heads
+        self.val_size, self.test_size = val_size, test_size
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.seed, self.num_workers = seed, num_workers
+        self.num_answer = answer_width(operation, num_digits)
+        self.num_pairs = 10 ** (2 * num_digits)
+        self.num_train = int(round(self.train_fraction * self.num_pairs))
+        if not 0 < self.num_train < self.num_pairs:
+            raise ValueError(
+                f"train_fraction {train_fraction} of {self.num_pairs} pairs leaves {self.num_train} for training; "
+                "both training and held-out sets need at least one pair"
+            )
+        self.train_set: TensorDictDataset | None = None
+
+    # ------------------------------------------------------------------ the task, for the model
+    @property
+    def seq_len(self) -> int:
+        return 2 * self.num_digits + (self.num_answer if self.answer_tokens else 0)
+
+    def structure(self) -> Structure:
+        """Operand structure (addition: sum and carry heads; multiplication: cross pairs), plus answer tokens."""
+        build = priors.digit_addition if self.operation == "add" else priors.digit_multiplication
+        structure = build(self.num_digits, self.structure_heads)
+        if self.answer_tokens:
+            structure = priors.with_answer_tokens(structure, self.num_digits, self.num_answer)
+        return structure
+
+    def task_spec(self) -> TaskSpec:
+        extras = {}
+        if self.answer_tokens:
+            extras["readout_positions"] = list(range(2 * self.num_digits, self.seq_len))
+        return TaskSpec(
+            name=f"arithmetic/{self.operation}",
+            seq_len=self.seq_len,
+            vocab_size=11 if self.answer_tokens else 10,
+            num_outputs=10 if self.answer_tokens else 10 * self.num_answer,
+            objective=DigitsObjective(self.num_answer),
+            structure=self.structure(),
+            # PAPER.md: arithmetic masks open = +5, closed = -5.
+            init_defaults={m: {"open_value": 5.0, "closed_value": -5.0} for m in ("mask", "fixed")},
+            extras=extras,
+        )
+
+    # ------------------------------------------------------------------------------ the data
+    def examples(self, index: Tensor) -> TensorDictDataset:
+        """Pairs number ``index`` (pair k is a = k // 10^d, b = k % 10^d) as tokens and answer digits."""
+        base = 10**self.num_digits
+        a, b = index // base, index % base
+        answer = a + b if self.operation == "add" else a * b
+        inputs = [to_digits(a, self.num_digits), to_digits(b, self.num_digits)]
+        if self.answer_tokens:
+            inputs.append(torch.full((len(index), self.num_answer), BLANK, dtype=torch.long))
+        return TensorDictDataset(inputs=torch.cat(inputs, dim=1), digits=to_digits(answer, self.num_answer))
+
+    def split(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(train, validation, test) pair indices: seeded, train disjoint from the other two."""
+        generator = torch.Generator().manual_seed(self.seed)
+        order = torch.randperm(self.num_pairs, generator=generator)
+        train, held_out = order[: self.num_train], order[self.num_train :]
+        # Seeded samples of the held-out pairs (randperm is already random: take a prefix).
+        val = held_out[: self.val_size] if self.val_size is not None else held_out
+        test = held_out[-self.test_size :] if self.test_size is not None else held_out
+        return train.sort().values, val.sort().values, test.sort().values
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train, val, test = self.split()
+        self.train_set, self.val_set, self.test_set = self.examples(train), self.examples(val), self.examples(test)
+
+    def train_dataloader(self):
+        return train_loader(self.train_set, self.batch_size, self.seed, self.num_workers)
+
+    def val_dataloader(self):
+        return eval_loader(self.val_set, self.eval_batch_size, self.num_workers)
+
+    def test_dataloader(self):
+        return eval_loader(self.test_set, self.eval_batch_size, self.num_workers)
