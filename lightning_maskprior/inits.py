@@ -67,6 +67,15 @@ def _structure_layers(backbone: nn.Module, structure: Structure) -> list[tuple[P
     return [(layer, structure.layer(i)) for i, layer in enumerate(layers)]
 
 
+def _mask_logits(structure: Structure, index: int, open: torch.Tensor, open_value: float,
+                 closed_value: float) -> torch.Tensor:
+    """M of layer ``index``: the structure's graded values if it has them, else open/closed values."""
+    values = structure.layer_values(index)
+    if values is not None:
+        return values
+    return torch.where(open, float(open_value), float(closed_value))
+
+
 def _uses_structure(fn: InitMethod) -> InitMethod:
     fn.needs_structure = True
     return fn
@@ -85,8 +94,8 @@ def mask_init(backbone: nn.Module, structure: Structure, open_value: float = 10.
               closed_value: float = -10.0, scale: float = 1.0) -> None:
     """Learnable prior M: ``open_value`` on open pairs, ``closed_value`` on closed ones."""
     check_open_closed(open_value, closed_value)
-    for layer, open in _structure_layers(backbone, structure):
-        layer.set_prior(torch.where(open, float(open_value), float(closed_value)), True, scale)
+    for index, (layer, open) in enumerate(_structure_layers(backbone, structure)):
+        layer.set_prior(_mask_logits(structure, index, open, open_value, closed_value), True, scale)
 
 
 @register_init("fixed")
@@ -95,8 +104,8 @@ def fixed_init(backbone: nn.Module, structure: Structure, open_value: float = 10
                closed_value: float = -10.0, scale: float = 1.0) -> None:
     """The mask prior, frozen (not trained)."""
     check_open_closed(open_value, closed_value)
-    for layer, open in _structure_layers(backbone, structure):
-        layer.set_prior(torch.where(open, float(open_value), float(closed_value)), False, scale)
+    for index, (layer, open) in enumerate(_structure_layers(backbone, structure)):
+        layer.set_prior(_mask_logits(structure, index, open, open_value, closed_value), False, scale)
 
 
 @register_init("zero")

@@ -1,7 +1,9 @@
 """Structure: which token pairs should interact, per layer and head, and the builders that make one.
 
-A Structure is only Booleans. Where it goes (an additive mask, the query/key weights, nowhere) is
-decided by an init method in ``inits.py``; the open/closed values belong to that init.
+A Structure is Booleans, and optionally graded values. Where it goes (an additive mask, the query/key
+weights, nowhere) is decided by an init method in ``inits.py``; the open/closed values belong to that
+init, unless the structure is graded (real-valued, like the language prior -max(i - j, 0)): then the
+mask inits use its values as M.
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ class Structure:
     a row that is all closed adds one constant to every logit, softmax cancels it, and the row
     becomes fully open (PAPER.md). Builders keep the diagonal open for that reason.
 
+    A *graded* structure also carries real ``values``: the mask inits (``mask``, ``fixed``) use them
+    as the prior logits M instead of their open/closed values (the language prior, PAPER.md:
+    M_ij = -max(i - j, 0) on the causal pattern). Inits that only read ``open`` are unaffected.
+
     Args:
         open: Boolean tensor of shape (N, N), (heads, N, N) or (layers, heads, N, N).
         name: A short description for logs and error messages.
+        values: Optional real tensor of prior logits, shaped like ``open`` (size-1 layer/head axes
+            broadcast, independently of ``open``'s).
     """
 
-    def __init__(self, open: Tensor, name: str = "structure") -> None:
+    def __init__(self, open: Tensor, name: str = "structure", values: Tensor | None = None) -> None:
         open = torch.as_tensor(open)
         if open.dtype != torch.bool:
             if not torch.all((open == 0) | (open == 1)):
@@ -50,6 +58,7 @@ class Structure:
             )
         self.open = open.cpu()
         self.name = name
+        self.values = None if values is None else _check_values(values, open.shape, name)
 
     @property
     def num_layers(self) -> int:
@@ -72,6 +81,17 @@ class Structure:
     def layer(self, index: int) -> Tensor:
         """The (heads, N, N) Boolean pattern of layer ``index`` (broadcast if shared)."""
         return self.open[index if self.num_layers > 1 else 0]
+
+    @property
+    def graded(self) -> bool:
+        """Whether the structure carries real values (used as M by the mask inits)."""
+        return self.values is not None
+
+    def layer_values(self, index: int) -> Tensor | None:
+        """The (heads or 1, N, N) graded values of layer ``index``, or None for a Boolean structure."""
+        if self.values is None:
+            return None
+        return self.values[index if self.values.shape[0] > 1 else 0]
 
     def for_model(self, num_layers: int, num_heads: int) -> Structure:
         """Check the structure fits a model with ``num_layers`` x ``num_heads`` (size-1 axes broadcast)."""
@@ -105,6 +125,8 @@ class Structure:
         """
         if before == 0:
             return self
+        if self.graded:
+            raise ValueError(f"{self.name}: padding a graded structure is not supported")
         layers, heads, n, _ = self.open.shape
         out = torch.zeros(layers, heads, n + before, n + before, dtype=torch.bool)
         out[..., before:, before:] = self.open
@@ -114,6 +136,23 @@ class Structure:
             idx = torch.arange(before)
             out[..., idx, idx] = True
         return Structure(out, name=f"{self.name}+{before}")
+
+
+def _check_values(values: Tensor, open_shape: torch.Size, name: str) -> Tensor:
+    values = torch.as_tensor(values, dtype=torch.float32).cpu()
+    while values.dim() < 4:
+        values = values.unsqueeze(0)
+    fits = values.dim() == 4 and values.shape[-2:] == open_shape[-2:] and all(
+        v in (1, o) or o == 1 for v, o in zip(values.shape[:2], open_shape[:2], strict=True)
+    )
+    if not fits:
+        raise ValueError(
+            f"{name}: graded values have shape {tuple(values.shape)}, which does not fit the open "
+            f"pattern {tuple(open_shape)} (layers|1, heads|1, N, N)"
+        )
+    if not torch.isfinite(values).all():
+        raise ValueError(f"{name}: graded values must be finite (the causal mask is the attention's job)")
+    return values
 
 
 def check_open_closed(open_value: float, closed_value: float) -> None:
@@ -199,6 +238,17 @@ def grid_impulse(height: int, width: int, offsets: Sequence[Pair] | None = None,
         open[src[~inside], src[~inside]] = True
         heads.append(open)
     return Structure(torch.stack(heads), name=name)
+
+
+def causal_relative_distance(n: int, name: str = "causal relative distance") -> Structure:
+    """The language prior (PAPER.md): token i attends to j <= i, graded M_ij = -max(i - j, 0).
+
+    Applied as ``log sigmoid(s * M)`` (the mask init's ``scale``, s = 10 in the paper) on top of the
+    causal mask: the diagonal gets log sigmoid(0) = -0.69, the previous token log sigmoid(-s), and so on.
+    """
+    idx = torch.arange(n)
+    distance = idx[:, None] - idx[None, :]
+    return Structure(distance >= 0, name=name, values=(-distance).clamp(max=0).float())
 
 
 # (row offset, column offset): centre, up, right, left, down, up-left, up-right, down-left, down-right
