@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchmetrics import MeanMetric, MeanSquaredError, MetricCollection
+from torchmetrics import MeanMetric, MeanSquaredError, Metric, MetricCollection
 
 from lightning_maskprior.task import Objective
 
@@ -106,3 +106,54 @@ class DigitsObjective(Objective):
         correct = self.digit_logits(output).argmax(dim=-1) == batch["digits"]
         metrics["seq_acc"].update(correct.all(dim=1).float())
         metrics["digit_acc"].update(correct.float())
+
+
+class TokenPerplexity(Metric):
+    """Corpus perplexity exp(total next-token NLL / number of tokens), from logits (log-softmax, float64 sums).
+
+    torchmetrics' ``Perplexity`` takes log(softmax(...)), which underflows for confident wrong predictions;
+    this one sums the cross-entropy of every counted token and synchronises the two sums across DDP ranks.
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self, ignore_index: int = -100, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ignore_index = ignore_index
+        self.add_state("total_nll", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, logits: Tensor, target: Tensor) -> None:
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                              ignore_index=self.ignore_index, reduction="sum")
+        self.total_nll += nll.double()
+        self.count += (target != self.ignore_index).sum()
+
+    def compute(self) -> Tensor:
+        return torch.exp(self.total_nll / self.count).float()
+
+
+class LanguageModelObjective(Objective):
+    """Next-token cross-entropy over every position; perplexity ``ppl`` on validation and test.
+
+    The backbone returns logits (B, N, vocab); ``batch["target"]`` holds the next token of each input
+    position, ``ignore_index`` where there is none (the padded tail of the last block).
+    """
+
+    monitor = "ppl"
+    monitor_mode = "min"
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+
+    def loss(self, output: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), batch["target"].reshape(-1),
+                               ignore_index=self.ignore_index)
+
+    def make_metrics(self) -> MetricCollection:
+        return MetricCollection({"ppl": TokenPerplexity(self.ignore_index)}, compute_groups=False)
+
+    def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
+        metrics["ppl"].update(output, batch["target"])
