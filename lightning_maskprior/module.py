@@ -105,10 +105,11 @@ class MaskPriorModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["inputs"]))
         return loss
 
-    def _eval_step(self, stage: str, batch: dict[str, Tensor]) -> None:
+    def _eval_step(self, stage: str, batch: dict[str, Tensor]) -> Tensor:
         output = self(batch["inputs"])
         self.mean_loss[stage].update(self.objective.loss(output, batch), weight=len(batch["inputs"]))
         self.objective.update_metrics(self.metrics[stage], output, batch)
+        return output
 
     def _eval_epoch_end(self, stage: str) -> None:
         if self.trainer.sanity_checking:
@@ -123,8 +124,9 @@ class MaskPriorModule(L.LightningModule):
             # Already identical on every rank; sync_dist only averages equal numbers.
             self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._eval_step("val", batch)
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        # The predictions go to callbacks' on_validation_batch_end (ExtrapolationMonitor).
+        return self._eval_step("val", batch)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
