@@ -2,9 +2,12 @@
 
     maskprior fit -c configs/boolean/2parity.yaml -c configs/init/mask.yaml
     maskprior fit --help
+    maskprior study -c configs/study/boolean_cpu.yaml   (a grid of runs and the paper's table; see study.py)
 """
 
 from __future__ import annotations
+
+import sys
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
@@ -48,6 +51,11 @@ def _print_metrics(trainer: L.Trainer, prefix: str, title: str) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``maskprior`` console script."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["study"]:  # not a LightningCLI subcommand: a grid of fit/test runs
+        from lightning_maskprior.study import main as study_main
+
+        return study_main(argv[1:])
     MaskPriorCLI(
         MaskPriorModule,
         L.LightningDataModule,
