@@ -1,5 +1,6 @@
 """Backbones built from PriorAttention. Each takes the datamodule's TaskSpec as first argument."""
 
+from lightning_maskprior.models.gpt import GPT
 from lightning_maskprior.models.token_transformer import TokenTransformer
 
-__all__ = ["TokenTransformer"]
+__all__ = ["GPT", "TokenTransformer"]
