@@ -1,3 +1,7 @@
 """Lightning callbacks that measure the prior (installed as ``lightning_maskprior.callbacks``)."""
 
-__all__: list[str] = []
+from lightning_maskprior.callbacks.attention_maps import AttentionMaps
+from lightning_maskprior.callbacks.extrapolation import ExtrapolationMonitor
+from lightning_maskprior.callbacks.persistence import PriorPersistence
+
+__all__: list[str] = ["AttentionMaps", "ExtrapolationMonitor", "PriorPersistence"]
