@@ -2,5 +2,18 @@
 
 from lightning_maskprior.datamodules.arithmetic import ArithmeticDataModule
 from lightning_maskprior.datamodules.boolean import BooleanGOTUDataModule
+from lightning_maskprior.datamodules.language import (
+    LanguageModelDataModule,
+    PydocDataModule,
+    TinyStoriesDataModule,
+    WikiText2DataModule,
+)
 
-__all__ = ["ArithmeticDataModule", "BooleanGOTUDataModule"]
+__all__ = [
+    "ArithmeticDataModule",
+    "BooleanGOTUDataModule",
+    "LanguageModelDataModule",
+    "PydocDataModule",
+    "TinyStoriesDataModule",
+    "WikiText2DataModule",
+]
