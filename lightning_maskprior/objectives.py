@@ -157,3 +157,40 @@ class LanguageModelObjective(Objective):
 
     def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
         metrics["ppl"].update(output, batch["target"])
+
+
+class ClassificationObjective(Objective):
+    """Cross-entropy over classes, with top-1 (and top-5) accuracy via torchmetrics.
+
+    ``batch["target"]`` holds class indices (B,), or soft targets (B, classes) when the batch was
+    mixed (Mixup/CutMix, smoothing already inside). Hard targets get ``label_smoothing`` in
+    training only: validation and test report the plain cross-entropy.
+
+    Args:
+        num_classes: Number of classes.
+        label_smoothing: Label smoothing of hard targets in training.
+    """
+
+    monitor = "top1"
+    monitor_mode = "max"
+
+    def __init__(self, num_classes: int, label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.num_classes, self.label_smoothing = num_classes, label_smoothing
+
+    def loss(self, output: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        target, output = batch["target"], output.float()
+        if target.is_floating_point():
+            return torch.sum(-target * F.log_softmax(output, dim=-1), dim=-1).mean()
+        return F.cross_entropy(output, target, label_smoothing=self.label_smoothing if self.training else 0.0)
+
+    def make_metrics(self) -> MetricCollection:
+        from torchmetrics.classification import MulticlassAccuracy
+
+        metrics = {"top1": MulticlassAccuracy(self.num_classes, top_k=1, average="micro")}
+        if self.num_classes > 5:
+            metrics["top5"] = MulticlassAccuracy(self.num_classes, top_k=5, average="micro")
+        return MetricCollection(metrics, compute_groups=False)
+
+    def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
+        metrics.update(output.float(), batch["target"])
