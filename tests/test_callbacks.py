@@ -1,0 +1,211 @@
+"""Callbacks: persistence of the prior, extrapolation on the unseen slice, attention images.
+
+Tiny CLI runs (seconds); DDP through a subprocess; the mask vs qk_opt comparison is slow-marked.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import CONFIGS, ROOT
+from lightning_maskprior.callbacks import AttentionMaps, ExtrapolationMonitor, PriorPersistence
+from lightning_maskprior.callbacks.persistence import bilinear_drift, pearson
+from lightning_maskprior.cli import main
+from lightning_maskprior.objectives import RegressionObjective
+from lightning_maskprior.tensorboard import read_scalars
+
+PERSISTENCE = "lightning_maskprior.callbacks.PriorPersistence"
+
+
+def callbacks_arg(every: int = 1, maps_every: int = 2, checkpoint: bool = False) -> list[str]:
+    callbacks = [
+        {"class_path": PERSISTENCE, "init_args": {"every_n_steps": every, "probe_size": 32}},
+        {"class_path": "lightning_maskprior.callbacks.ExtrapolationMonitor"},
+        {"class_path": "lightning_maskprior.callbacks.AttentionMaps", "init_args": {"every_n_steps": maps_every}},
+    ]
+    if checkpoint:
+        callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                          "init_args": {"save_top_k": -1}})
+    return ["--trainer.callbacks", yaml.safe_dump(callbacks, default_flow_style=True, width=10_000).strip()]
+
+
+def fit(init: str, tiny_args, *extra: str) -> None:
+    main(["fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / f"init/{init}.yaml"),
+          *tiny_args, *extra])
+
+
+def steps(series) -> list[int]:
+    return [s for s, _ in series]
+
+
+# --------------------------------------------------------------------------------- pieces
+def test_pearson_and_bilinear_drift_match_explicit_formulas():
+    a, b = torch.randn(3, 20), torch.randn(3, 20)
+    expected = torch.stack([torch.corrcoef(torch.stack([x, y]))[0, 1] for x, y in zip(a, b, strict=True)])
+    torch.testing.assert_close(pearson(a, b).float(), expected, atol=1e-5, rtol=1e-5)
+    assert pearson(torch.ones(1, 5), torch.randn(1, 5)).item() == 0  # constant row: 0, not NaN
+    wq, wk, wq0, wk0 = (torch.randn(2, 4, 8) for _ in range(4))
+    explicit = (wq.mT @ wk - wq0.mT @ wk0).flatten(1).norm(dim=1) / (wq0.mT @ wk0).flatten(1).norm(dim=1)
+    torch.testing.assert_close(bilinear_drift(wq, wk, wq0, wk0).float(), explicit, atol=1e-5, rtol=1e-4)
+    assert bilinear_drift(wq0, wk0, wq0, wk0).abs().max() < 1e-6
+
+
+def test_extrapolation_counts_points_closer_to_the_mdi():
+    class Module(torch.nn.Module):
+        device = torch.device("cpu")
+
+    class Trainer:
+        sanity_checking, world_size, global_step = False, 1, 7
+
+    monitor, module, logged = ExtrapolationMonitor(), Module(), {}
+    module.objective = RegressionObjective([-1.0, 1.0])  # accuracy of the sign
+    module.log = lambda name, value, **kw: logged.__setitem__(name, value)
+    batch = {"target": torch.tensor([1.0, 1.0, -1.0, 1.0]), "mdi": torch.tensor([-3.0, -3.0, -1.0, 1.0]),
+             "unseen": torch.tensor([True, True, False, True]), "inputs": torch.zeros(4, 2)}
+    monitor.on_validation_epoch_start(Trainer(), module)
+    # unseen: pred -2.5 (closer to the MDI -3, wrong), 0.5 (closer to truth, right), 1 (MDI = truth: ties)
+    monitor.on_validation_batch_end(Trainer(), module, torch.tensor([[-2.5], [0.5], [5.0], [1.0]]), batch, 0)
+    monitor.on_validation_epoch_end(Trainer(), module)
+    assert logged["extrapolation/closer_to_mdi"] == pytest.approx(1 / 3)
+    assert logged["extrapolation/unseen_acc"] == pytest.approx(2 / 3)  # sign: -2.5 wrong, 0.5 and 1 right
+    assert logged["extrapolation/unseen_mse"] == pytest.approx((3.5**2 + 0.5**2) / 3)
+    assert monitor.history == [(7, logged_values(logged))]
+
+
+def logged_values(logged: dict) -> dict:
+    return {k.split("/")[1]: v for k, v in logged.items()}
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1, got 0"):
+        PriorPersistence(every_n_steps=0)
+    with pytest.raises(ValueError, match="probe_split must be 'train' or 'val', got 'test'"):
+        PriorPersistence(probe_split="test")
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
+        AttentionMaps(every_n_steps=0)
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("init", ["default", "mask"])
+def test_every_init_logs_the_same_persistence_series(tiny_args, tmp_path, init):
+    fit(init, tiny_args, "--data.init_args.batch_size", "16", *callbacks_arg(every=1))
+    run = next((tmp_path / "runs").glob("lightning_logs/version_*"))
+    scalars = read_scalars(run)
+    total = 2 * 3  # 48 seen points of the 6-bit cube, batch 16, 2 epochs
+    assert steps(scalars["persistence/score"]) == list(range(total + 1))
+    assert scalars["persistence/score"][0][1] == pytest.approx(1.0)
+    for l in range(2):
+        for h in range(3):
+            for name in ("open_mass", "open_mass_rel", "attn_corr", "attn_corr_rel", "qk_drift"):
+                assert len(scalars[f"persistence/{name}/layer{l}/head{h}"]) == total + 1, name
+            # gradients: from the update that produced each step, so none at step 0
+            assert steps(scalars[f"persistence/grad_q/layer{l}/head{h}"]) == list(range(1, total + 1))
+        assert scalars[f"persistence/qk_drift/layer{l}/head0"][0][1] == pytest.approx(0.0, abs=1e-6)
+    has_prior = init == "mask"
+    assert ("persistence/prior_corr/layer0/head0" in scalars) == has_prior
+    assert ("persistence/grad_prior/layer0/head0" in scalars) == has_prior
+    open_mass = scalars["persistence/open_mass"][0][1]
+    if has_prior:  # +10/-10 on x0<->x1 and the diagonal: nearly all mass on open entries at step 0
+        assert open_mass > 0.99
+        assert scalars["persistence/prior_corr/layer0/head0"][0][1] == pytest.approx(1.0)
+        assert steps(scalars["persistence/prior_drift"]) == list(range(total + 1))
+    else:  # plain attention: about uniform, 8 open of 36 entries
+        assert 0.1 < open_mass < 0.4
+    assert len(scalars["extrapolation/closer_to_mdi"]) == 2
+    assert scalars["extrapolation/unseen_acc"][-1][1] == pytest.approx(scalars["val/unseen_acc"][-1][1])
+    assert scalars["extrapolation/unseen_mse"][-1][1] == pytest.approx(scalars["val/unseen_mse"][-1][1], rel=1e-5)
+    images = image_steps(run)
+    assert images["attention_maps/attention/layer1"] == [0, 2, 4, 6]
+    assert ("attention_maps/prior/layer0" in images) == has_prior
+
+
+def image_steps(run) -> dict[str, list[int]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for path in sorted(run.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(path), size_guidance={"images": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["images"]:
+            out.setdefault(tag, []).extend(e.step for e in accumulator.Images(tag))
+    return out
+
+
+def test_resume_continues_the_curves(tiny_args, tmp_path):
+    """Fit 2 epochs (checkpoint each), resume from the first to 3: no step missing or repeated."""
+    runs = tmp_path / "runs"
+    common = ["--data.init_args.batch_size", "16", *callbacks_arg(every=1, checkpoint=True)]
+    fit("mask", tiny_args, *common)
+    first = runs / "lightning_logs/version_0"
+    ckpt = first / "checkpoints/epoch=0-step=3.ckpt"
+    assert ckpt.is_file(), sorted(p.name for p in (first / "checkpoints").iterdir())
+    fit("mask", tiny_args, *common, "--trainer.max_epochs", "3", "--ckpt_path", str(ckpt))
+    before, after = read_scalars(first), read_scalars(runs / "lightning_logs/version_1")
+    for tag in ("persistence/score", "persistence/open_mass/layer1/head2", "persistence/grad_prior/layer0/head0"):
+        resumed = steps(after[tag])
+        assert resumed == list(range(4, 10)), tag  # continues after the checkpoint's step 3
+        combined = [s for s in steps(before[tag]) if s <= 3] + resumed
+        assert combined == list(range(combined[0], 10)), tag
+    # relative values stay relative to the first run's step 0
+    ref = before["persistence/open_mass/layer1/head2"][0][1]
+    mass = dict(after["persistence/open_mass/layer1/head2"])
+    for step, rel in after["persistence/open_mass_rel/layer1/head2"]:
+        assert rel == pytest.approx(mass[step] / ref, rel=1e-5)
+    assert image_steps(runs / "lightning_logs/version_1")["attention_maps/attention/layer0"] == [4, 6, 8]
+    state = torch.load(runs / "lightning_logs/version_1/checkpoints/epoch=2-step=9.ckpt", weights_only=False)
+    persistence = next(v for k, v in state["callbacks"].items() if k.startswith("PriorPersistence"))
+    assert [s for s, _ in persistence["history"]] == list(range(10))
+    extrapolation = next(v for k, v in state["callbacks"].items() if k.startswith("ExtrapolationMonitor"))
+    assert [s for s, _ in extrapolation["history"]] == [3, 6, 9]
+
+
+def test_ddp_logs_the_same_persistence_as_one_process(tmp_path):
+    """Full-batch training (48 seen points: one batch, 24 per rank under DDP): same updates, same curves."""
+    common = [
+        "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
+        "--data.init_args.n", "6", "--data.init_args.batch_size", "48", "--data.init_args.eval_batch_size", "64",
+        "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "1",
+        "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "16",
+        "--trainer.max_epochs", "3", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--trainer.enable_checkpointing", "false",
+        *callbacks_arg(every=1),
+    ]
+    # One process in this one; DDP in a subprocess (strategy="ddp" inside pytest would relaunch pytest).
+    main(["fit", *common, "--trainer.default_root_dir", str(tmp_path / "single")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_maskprior.cli", "fit", *common, "-c", str(CONFIGS / "trainer/ddp.yaml"),
+         "--trainer.default_root_dir", str(tmp_path / "ddp")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single, ddp = (read_scalars(next((tmp_path / n).glob("lightning_logs/version_*"))) for n in ("single", "ddp"))
+    tags = sorted(t for t in single if t.startswith(("persistence/", "extrapolation/")))
+    assert tags == sorted(t for t in ddp if t.startswith(("persistence/", "extrapolation/")))
+    assert "persistence/grad_prior/layer0/head0" in tags
+    for tag in tags:
+        assert steps(ddp[tag]) == steps(single[tag]), tag  # each point once: rank zero logs
+        for (_, a), (_, b) in zip(single[tag], ddp[tag], strict=True):
+            assert b == pytest.approx(a, rel=1e-4, abs=1e-5), tag
+    assert steps(single["persistence/score"]) == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------------------- the thesis
+@pytest.mark.slow
+def test_mask_persists_and_qk_opt_fades_on_2parity(tmp_path):
+    """PAPER.md's thesis at CPU scale: 2parity, 6 epochs each (several minutes per run)."""
+    scores = {}
+    for init in ("mask", "qk_opt"):
+        root = tmp_path / init
+        proc = subprocess.run(
+            [sys.executable, "-m", "lightning_maskprior.cli", "fit", "-c", str(CONFIGS / "boolean/2parity.yaml"),
+             "-c", str(CONFIGS / f"init/{init}.yaml"), "--trainer.enable_progress_bar", "false",
+             "--trainer.default_root_dir", str(root)],
+            cwd=ROOT, capture_output=True, text=True, timeout=3600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        scores[init] = read_scalars(next(root.glob("lightning_logs/version_*")))["persistence/score"]
+    assert min(v for _, v in scores["mask"]) >= 0.9
+    assert scores["qk_opt"][-1][1] < 0.5
