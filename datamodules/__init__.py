@@ -8,10 +8,20 @@ from lightning_maskprior.datamodules.language import (
     TinyStoriesDataModule,
     WikiText2DataModule,
 )
+from lightning_maskprior.datamodules.vision import (
+    CIFARDataModule,
+    DigitsDataModule,
+    ImageClassificationDataModule,
+    ImageNet100DataModule,
+)
 
 __all__ = [
     "ArithmeticDataModule",
     "BooleanGOTUDataModule",
+    "CIFARDataModule",
+    "DigitsDataModule",
+    "ImageClassificationDataModule",
+    "ImageNet100DataModule",
     "LanguageModelDataModule",
     "PydocDataModule",
     "TinyStoriesDataModule",

@@ -2,5 +2,6 @@
 
 from lightning_maskprior.models.gpt import GPT
 from lightning_maskprior.models.token_transformer import TokenTransformer
+from lightning_maskprior.models.vit import VisionTransformer
 
-__all__ = ["GPT", "TokenTransformer"]
+__all__ = ["GPT", "TokenTransformer", "VisionTransformer"]

@@ -1,0 +1,171 @@
+"""Vision Transformer from timm whose attention layers are PriorAttention.
+
+timm's ``VisionTransformer`` takes an ``attn_layer`` class; we hand it a thin PriorAttention subclass
+that accepts timm's constructor arguments, so every block, the patch embedding, the pooling and
+timm's own weight init are timm's. The task's patch-grid structure is mapped onto the model's heads
+and prefix tokens (CLS, registers) by ``structure_for_sequence``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_maskprior.attention import PriorAttention
+from lightning_maskprior.priors import Structure
+from lightning_maskprior.task import TaskSpec
+
+# Set by the datamodule (TaskSpec.extras): one source of truth for the image and its patches.
+_TASK_KEYS = ("img_size", "patch_size", "in_chans", "num_classes")
+
+
+class TimmPriorAttention(PriorAttention):
+    """PriorAttention with timm's ``Attention`` constructor and forward signature.
+
+    Options PriorAttention does not implement (``qk_norm``, ``scale_norm``, no projection bias)
+    are refused rather than ignored, and so is an external attention mask.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
+                 scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0.0,
+                 proj_drop: float = 0.0, norm_layer: Any = None, device: Any = None, dtype: Any = None,
+                 **kwargs: Any) -> None:
+        unsupported = {"qk_norm": qk_norm, "scale_norm": scale_norm, "proj_bias=False": not proj_bias}
+        refused = [k for k, v in unsupported.items() if v]
+        if refused:
+            raise ValueError(f"PriorAttention does not implement timm's {refused}; use a ViT without them")
+        super().__init__(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        if attn_mask is not None or is_causal:
+            raise ValueError("TimmPriorAttention takes no attn_mask / is_causal: the prior is the mask")
+        return super().forward(x)
+
+
+def map_structure_heads(structure: Structure, num_heads: int, mode: Literal["cycle", "split"]) -> Structure:
+    """Give each of ``num_heads`` model heads a pattern from a structure with S heads.
+
+    ``cycle``: model head h takes structure head h mod S (the impulse reference: with 9 offsets and
+    3 heads, the heads are centre, up, right). ``split``: model head h opens the union of structure
+    heads h, h + num_heads, h + 2 num_heads, ... so all S patterns are used (3 heads: {centre, left,
+    up-right}, {up, down, down-left}, {right, up-left, down-right}). S in (1, num_heads): unchanged.
+    """
+    heads = structure.num_heads
+    if heads in (1, num_heads):
+        return structure
+    if mode not in ("cycle", "split"):
+        raise ValueError(f"structure_heads must be 'cycle' or 'split', got {mode!r}")
+    open = structure.open
+    if mode == "cycle" or heads < num_heads:
+        mapped = open[:, [h % heads for h in range(num_heads)]]
+    else:
+        mapped = torch.stack([open[:, h::num_heads].any(dim=1) for h in range(num_heads)], dim=1)
+    return Structure(mapped, name=f"{structure.name} ({mode} over {num_heads} heads)")
+
+
+class VisionTransformer(nn.Module):
+    """A timm ViT (any ``vit_*`` name) with PriorAttention, sized by the task; never pretrained.
+
+    Image size, patch size, channels and classes come from the datamodule (``task.extras``), so a
+    name like ``vit_tiny_patch16_224`` also builds the 32-px CIFAR variant (``img_size=32,
+    patch_size=4`` on the datamodule). Everything else of timm's ``VisionTransformer`` can be set
+    in ``model_kwargs``.
+
+    How the prior meets the sequence (``structure_for_sequence``):
+
+    - Heads: the task gives one pattern per 3x3 impulse offset (9); ``structure_heads`` decides
+      which model head takes which (see ``map_structure_heads``). Default ``cycle``: head h takes
+      offset h mod 9, the mapping of the impulse init's reference code, so Mask and Impulse get
+      the same per-head structure.
+    - Prefix tokens (CLS, registers): they attend to every token (the CLS token is the read-out:
+      closing its row would starve the classifier), and patches do not attend to them, so each
+      patch row is exactly its head's impulse at init (a learnable mask can still open them).
+
+    Args:
+        task: The image task; ``task.extras`` holds ``img_size``, ``patch_size``, ``in_chans``,
+            ``num_classes``.
+        model_name: A timm VisionTransformer name, e.g. ``vit_tiny_patch16_224``.
+        model_kwargs: More arguments for ``timm.create_model`` (``drop_path_rate``, ``embed_dim``,
+            ``depth``, ``num_heads``, ``global_pool``, ``class_token``, ...).
+        structure_heads: ``cycle`` or ``split``: how the task's per-offset patterns go to heads.
+    """
+
+    def __init__(self, task: TaskSpec, model_name: str = "vit_tiny_patch16_224",
+                 model_kwargs: dict[str, Any] | None = None,
+                 structure_heads: Literal["cycle", "split"] = "cycle") -> None:
+        super().__init__()
+        import timm
+
+        if structure_heads not in ("cycle", "split"):
+            raise ValueError(f"structure_heads must be 'cycle' or 'split', got {structure_heads!r}")
+        kwargs = dict(model_kwargs or {})
+        missing = [k for k in _TASK_KEYS if k not in task.extras]
+        if missing:
+            raise ValueError(f"task {task.name!r} is not an image task: its extras lack {missing}")
+        clash = sorted(set(kwargs) & {*_TASK_KEYS, "pretrained", "attn_layer"})
+        if clash:
+            raise ValueError(
+                f"model_kwargs may not set {clash}: image geometry and classes come from the datamodule, "
+                "weights are never pretrained here, and the attention is PriorAttention"
+            )
+        self.model = timm.create_model(
+            model_name, pretrained=False, attn_layer=TimmPriorAttention,
+            **{k: task.extras[k] for k in _TASK_KEYS}, **kwargs,
+        )
+        if not hasattr(self.model, "blocks") or not hasattr(self.model, "pos_embed"):
+            raise ValueError(f"{model_name!r} is not a timm VisionTransformer")
+        self.structure_heads = structure_heads
+        self.num_heads = self.model.blocks[0].attn.num_heads
+        self.num_prefix_tokens = int(self.model.num_prefix_tokens)
+        self.in_chans = int(task.extras["in_chans"])
+        self.img_size = _pair(task.extras["img_size"])
+
+    def patch_grid(self) -> tuple[int, int]:
+        """(rows, columns) of the patch grid; patches are row-major after the prefix tokens."""
+        rows, cols = self.model.patch_embed.grid_size
+        return int(rows), int(cols)
+
+    def structure_for_sequence(self, structure: Structure) -> Structure:
+        """Map a structure over the patches to the attention's heads and sequence (prefix tokens first)."""
+        rows, cols = self.patch_grid()
+        if structure.seq_len != rows * cols:
+            raise ValueError(
+                f"structure is {structure.seq_len}x{structure.seq_len} but the model sees a {rows}x{cols} "
+                f"grid of {rows * cols} patches"
+            )
+        structure = map_structure_heads(structure, self.num_heads, self.structure_heads)
+        return structure.pad(self.num_prefix_tokens, attends_to_all=True)
+
+    # ------------------------------------------- what the query/key inits read (see inits.py)
+    def positional_embedding(self) -> Tensor:
+        """(prefix + patches, dim): position embedding of each token; prefix rows add their token."""
+        model = self.model
+        pos = model.pos_embed[0].detach().clone()
+        prefix = [t[0].detach() for t in (model.cls_token, model.reg_token) if t is not None]
+        prefix = torch.cat(prefix) if prefix else pos[:0]
+        if getattr(model, "no_embed_class", False):
+            return torch.cat([prefix, pos])  # prefix tokens carry no position embedding
+        pos[: len(prefix)] += prefix
+        return pos
+
+    @torch.no_grad()
+    def scale_positional_embedding(self, factor: float) -> None:
+        """Multiply the positional embedding in place (the impulse/QK-SVD reference scales it by 18)."""
+        self.model.pos_embed.mul_(factor)
+
+    def attention_norms(self) -> list[nn.Module]:
+        """The LayerNorm before each block's attention (``block.norm1``), in order."""
+        return [block.norm1 for block in self.model.blocks]
+
+    def example_inputs(self, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
+        """Standard-normal images: the normalised input distribution, to first order."""
+        return torch.randn(batch_size, self.in_chans, *self.img_size, generator=generator)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.model(images)
+
+
+def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    return (int(value), int(value)) if isinstance(value, int) else (int(value[0]), int(value[1]))
