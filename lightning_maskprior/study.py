@@ -269,10 +269,10 @@ def load_study(cfg: Any, path: Path | None = None, known_inits: set[str] | None 
             entry = {"config": str(entry)}
         if not isinstance(entry, dict):
             raise StudyError(f"{where}: a task is a config path or a mapping, got {entry!r}")
-        _check_keys(entry, {"name", "config", "args", "metrics", "curves", "paper"}, where)
         configs = _as_list(entry.get("config"))
         task_name = str(entry.get("name") or (Path(str(configs[0])).stem if configs else ""))
         where = f"tasks[{i}] ({task_name})" if task_name else where
+        _check_keys(entry, {"name", "config", "args", "metrics", "curves", "paper"}, where)
         if not configs:
             raise StudyError(f"{where}: no config given")
         resolved = [_resolve_path(c, where, bases) for c in configs]
@@ -381,8 +381,9 @@ class Run:
         return args + ["--trainer.default_root_dir", str(self.dir)]
 
     def key(self) -> dict:
-        """What makes a finished run reusable: the same fit command and the same test choice."""
-        return {"fit": self.fit_args(), "test": self.study.test}
+        """What makes a finished run reusable: the same fit command, config file contents and test choice."""
+        configs = {str(p): _file_hash(p) for p in [*self.task.configs, *self.init.configs]}
+        return {"fit": self.fit_args(), "configs": configs, "test": self.study.test}
 
     def load_result(self) -> dict | None:
         try:
@@ -395,6 +396,18 @@ class Run:
         if result is None or result.get("key") != self.key():
             return False
         return result.get("status") == "ok" or not self.study.retry_failed
+
+
+_HASHES: dict[tuple[str, float], str] = {}
+
+
+def _file_hash(path: Path) -> str:
+    import hashlib
+
+    stamp = (str(path), path.stat().st_mtime)
+    if stamp not in _HASHES:
+        _HASHES[stamp] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return _HASHES[stamp]
 
 
 def _fit_dir(run_dir: Path) -> Path | None:
