@@ -398,8 +398,9 @@ def _stories_from_text(path: str) -> Iterator[str]:
 class PydocDataModule(LanguageModelDataModule):
     """Offline English text that ships with Python: the help topics in ``pydoc_data.topics``.
 
-    Each topic is one document. Topics are shuffled with ``split_seed`` and dealt to test, then
-    validation, until each holds ``eval_fraction`` of the characters; the rest is training text.
+    Each topic is one document (topics with the same text once). Topics are shuffled with ``split_seed``
+    and dealt to test, then validation, until each holds ``eval_fraction`` of the characters; the rest
+    is training text.
 
     Args:
         eval_fraction: Share of the characters in each of validation and test.
@@ -419,7 +420,8 @@ class PydocDataModule(LanguageModelDataModule):
     def documents(self) -> dict[str, list[str]]:
         from pydoc_data.topics import topics
 
-        names = sorted(topics)
+        unique = {topics[name]: name for name in sorted(topics, reverse=True)}  # some topics share a text
+        names = sorted(unique.values())
         random.Random(self.split_seed).shuffle(names)
         total = sum(len(topics[n]) for n in names)
         splits: dict[str, list[str]] = {s: [] for s in SPLITS}
