@@ -183,7 +183,14 @@ class BooleanGOTUDataModule(L.LightningDataModule):
             objective=RegressionObjective(self.label_values),
             structure=self.structure(),
             # PAPER.md: Boolean masks open = +10, closed = -10.
-            init_defaults={m: {"open_value": 10.0, "closed_value": -10.0} for m in ("mask", "fixed")},
+            init_defaults={
+                **{m: {"open_value": 10.0, "closed_value": -10.0} for m in ("mask", "fixed")},
+                # QK baselines: positions x50 bring the positional embedding (std 0.02) to the token
+                # embeddings' scale (std 1), the role of the reference's x18 in a ViT; without it the
+                # fitted pattern barely shows on real inputs (notes/issue-3.md).
+                "qk_svd": {"open_value": 10000.0, "closed_value": 0.0, "pos_scale": 50.0},
+                "qk_opt": {"pos_scale": 50.0, "steps": 500, "lr": 1e-2},
+            },
         )
 
     # ------------------------------------------------------------------------------ the data
