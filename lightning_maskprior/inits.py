@@ -2,19 +2,43 @@
 
 An init method takes the backbone (any module holding PriorAttention layers), the task's Structure
 (or None) and its own keyword options, and changes the backbone in place. ``mask``, ``zero`` and
-``fixed`` put the structure into the additive prior; the query/key baselines put it into Wq/Wk.
+``fixed`` put the structure into the additive prior; the query/key baselines (``qk_svd``,
+``qk_opt``, ``impulse``) put it into Wq/Wk; ``mimetic`` needs no structure.
+
+Backbone interface for the query/key inits
+------------------------------------------
+The QK baselines fit Wq, Wk to what the attention sees. A backbone that supports them implements:
+
+- ``positional_embedding() -> Tensor`` of shape (N', dim): what each position of the attention's
+  sequence carries apart from its token, in the order of the (``structure_for_sequence``-mapped)
+  structure; a CLS row is the CLS token plus its position.
+- ``scale_positional_embedding(factor: float) -> None``: multiply the learnable positional
+  embedding in place (QK-SVD's reference scales it by 18 so positions dominate the token content).
+- ``attention_norms() -> list[nn.Module]``: the normalisation applied to the residual stream right
+  before each PriorAttention layer, in the order of ``attention_layers(backbone)`` (pre-norm blocks:
+  ``block.norm1``).
+- optional ``example_inputs(batch_size, generator) -> inputs``: a batch ``backbone(inputs)`` accepts,
+  drawn from the input distribution; only ``qk_opt`` with ``fit_on="inputs"`` and
+  ``open_attention_mass`` callers need it.
+- optional ``patch_grid() -> (height, width)``: the patch grid of a vision backbone; ``impulse``
+  builds its grid structure from it when the task gives none (tokens row-major after any prefix
+  tokens, which ``structure_for_sequence`` adds).
+
+``TokenTransformer`` implements all but ``patch_grid``.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import Literal
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from lightning_maskprior.attention import PriorAttention, attention_layers
-from lightning_maskprior.priors import Structure, check_open_closed
+from lightning_maskprior.attention import PriorAttention, attention_layers, attention_probabilities
+from lightning_maskprior.priors import IMPULSE_OFFSETS, Structure, check_open_closed, grid_impulse
 
 InitMethod = Callable[..., None]
 INIT_METHODS: dict[str, InitMethod] = {}
@@ -124,3 +148,276 @@ def zero_init(backbone: nn.Module, structure: Structure | None, seq_len: int | N
         raise ValueError("init 'zero' needs a structure or seq_len to size the prior")
     for layer in layers:
         layer.set_prior(torch.zeros(heads, n, n), trainable=True)
+
+
+# ================================================================== query/key baselines
+def _backbone_method(backbone: nn.Module, name: str, init: str):
+    method = getattr(backbone, name, None)
+    if method is None:
+        raise ValueError(
+            f"init {init!r} needs {type(backbone).__name__}.{name}() (see the backbone interface in "
+            "lightning_maskprior/inits.py)"
+        )
+    return method
+
+
+def _normed_positions(backbone: nn.Module, init: str) -> list[Tensor]:
+    """Each attention layer's view of the positions: its pre-attention norm applied to them (N', dim)."""
+    positions = _backbone_method(backbone, "positional_embedding", init)()
+    norms = _backbone_method(backbone, "attention_norms", init)()
+    layers = attention_layers(backbone)
+    if len(norms) != len(layers):
+        raise ValueError(f"backbone gave {len(norms)} attention norms for {len(layers)} attention layers")
+    with torch.no_grad():
+        return [norm(positions).float() for norm in norms]
+
+
+def _set_query_key(layer: PriorAttention, wq: Tensor, wk: Tensor) -> None:
+    """Write per-head (heads, head_dim, dim) Wq and Wk into the fused projection (zero-padded)."""
+    q, k = layer.query_key_weights()
+    with torch.no_grad():
+        for target, value in ((q, wq), (k, wk)):
+            target.zero_()
+            rows, cols = value.shape[-2], value.shape[-1]
+            target[:, :rows, :cols] = value.to(target.dtype)
+        if layer.qkv.bias is not None:
+            layer.qkv.bias[: 2 * layer.inner_dim].zero_()
+
+
+def _factor(a: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """Rank-``rank`` split of (..., d, d) ``a`` by SVD: ``L = U sqrt(S)`` and ``R = sqrt(S) V^T``."""
+    u, s, vh = torch.linalg.svd(a)
+    root = s[..., :rank].sqrt()
+    return u[..., :rank] * root.unsqueeze(-2), root.unsqueeze(-1) * vh[..., :rank, :]
+
+
+def _truncated_pinv(x: Tensor, rank: int) -> Tensor:
+    """Pseudo-inverse of (N, dim) ``x`` keeping its ``rank`` largest singular values: (dim, N)."""
+    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    keep = torch.zeros_like(s, dtype=torch.bool)
+    keep[:rank] = s[:rank] > s[0] * 1e-6
+    inv = torch.where(keep, 1.0 / s.clamp_min(1e-30), torch.zeros_like(s))
+    return vh.transpose(-2, -1) @ (inv.unsqueeze(-1) * u.transpose(-2, -1))
+
+
+def svd_query_key(positions: Tensor, target: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+    """QK-SVD for one layer: Wq, Wk (heads, head_dim, dim) with ``X Wq^T Wk X^T`` proportional to ``target``.
+
+    ``A = X^+ T X^+^T`` (X = ``positions``, (N, dim), pseudo-inverse truncated to ``head_dim``),
+    ``A ~ U S V^T`` at rank ``head_dim``, ``Wq^T = U sqrt(S)``, ``Wk = sqrt(S) V^T``, each divided by
+    its Frobenius norm. At rank >= rank(A) and full-row-rank X, ``X Wq^T Wk X^T = T / (|Wq| |Wk|)``.
+    """
+    pinv = _truncated_pinv(positions.double(), head_dim)
+    a = pinv @ target.double() @ pinv.transpose(-2, -1)  # (heads, dim, dim)
+    left, right = _factor(a, min(head_dim, a.shape[-1]))
+    left = left / torch.linalg.matrix_norm(left, keepdim=True)
+    right = right / torch.linalg.matrix_norm(right, keepdim=True)
+    return left.transpose(-2, -1).float(), right.float()
+
+
+@register_init("qk_svd")
+@_uses_structure
+def qk_svd_init(backbone: nn.Module, structure: Structure, open_value: float = 10000.0,
+                closed_value: float = 0.0, pos_scale: float = 18.0, qk_scale: float = 7.0) -> None:
+    """Structured QK by SVD (Zheng et al. 2025): the structure's logit pattern put into Wq, Wk.
+
+    The target ``open_value``/``closed_value`` pattern is mapped through the pseudo-inverse of the
+    layer-normed positional embeddings and factored by a rank-``head_dim`` SVD; Wq and Wk are
+    Frobenius-normalised and multiplied by ``qk_scale``. The positional embedding is first scaled
+    by ``pos_scale`` so that positions, not token content, dominate the normalised input (the
+    normalisation itself undoes the scale, so the fit is unchanged). Defaults: the reference's
+    (arithmetic pattern 10000 / 0, positions x18, QK x7).
+    """
+    check_open_closed(open_value, closed_value)
+    pairs = _structure_layers(backbone, structure)
+    _backbone_method(backbone, "scale_positional_embedding", "qk_svd")(pos_scale)
+    for (layer, open), positions in zip(pairs, _normed_positions(backbone, "qk_svd"), strict=True):
+        target = torch.where(open, float(open_value), float(closed_value)).expand(layer.num_heads, -1, -1)
+        wq, wk = svd_query_key(positions, target, layer.head_dim)
+        _set_query_key(layer, qk_scale * wq, qk_scale * wk)
+        layer.clear_prior()
+
+
+def fit_query_key(inputs: Tensor, target: Tensor, head_dim: int, steps: int = 2000, lr: float = 1e-4,
+                  renorm_every: int = 100) -> tuple[Tensor, Tensor, list[float]]:
+    """QK-Opt for one layer: Adam on Wq, Wk (heads, head_dim, dim) so softmax attention matches ``target``.
+
+    ``inputs`` (B or 1, N, dim) are what the attention sees (its normalised input); ``target``
+    (heads, N, N) holds one distribution per row. Loss: MSE between ``softmax(q k^T / sqrt(head_dim))``
+    and ``target``. As in the reference, the weights start uniform in +-sqrt(1 / (head_dim heads))
+    and every ``renorm_every`` steps each query/key feature vector is rescaled to the initial mean
+    norm. Returns Wq, Wk and the loss every ``renorm_every`` steps (and the last).
+    """
+    heads, dim = target.shape[0], inputs.shape[-1]
+    bound = (1.0 / (head_dim * heads)) ** 0.5
+    wq = nn.Parameter((torch.rand(heads, head_dim, dim) * 2 - 1) * bound)
+    wk = nn.Parameter((torch.rand(heads, head_dim, dim) * 2 - 1) * bound)
+    norm0 = wq.detach().norm(dim=-1).mean()
+    optimizer = torch.optim.Adam([wq, wk], lr=lr)
+    x = (inputs if inputs.dim() == 3 else inputs.unsqueeze(0)).float().unsqueeze(1)  # (B, 1, N, dim)
+    losses = []
+    for step in range(steps + 1):
+        if renorm_every and step % renorm_every == 0 and step < steps:
+            with torch.no_grad():
+                for w in (wq, wk):
+                    w.mul_(norm0 / w.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+        q, k = x @ wq.transpose(-2, -1), x @ wk.transpose(-2, -1)  # (B, heads, N, head_dim)
+        probs = (q @ k.transpose(-2, -1) / head_dim**0.5).softmax(dim=-1)
+        loss = F.mse_loss(probs, target.expand_as(probs))
+        if step % max(1, renorm_every) == 0 or step == steps:
+            losses.append(loss.item())
+        if step == steps:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return wq.detach(), wk.detach(), losses
+
+
+def _attention_inputs(backbone: nn.Module, inputs, index: int) -> Tensor:
+    """What attention layer ``index`` receives (its normalised input) when the backbone runs ``inputs``."""
+    layer = attention_layers(backbone)[index]
+    captured = []
+    handle = layer.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        with torch.no_grad():
+            backbone(inputs)
+    finally:
+        handle.remove()
+        backbone.train(was_training)
+    return captured[0]
+
+
+@register_init("qk_opt")
+@_uses_structure
+def qk_opt_init(backbone: nn.Module, structure: Structure, steps: int = 2000, lr: float = 1e-4,
+                renorm_every: int = 100, fit_on: Literal["positions", "inputs"] = "positions",
+                probe_size: int = 256, pos_scale: float = 1.0, qk_scale: float = 1.0) -> None:
+    """Structured QK by optimisation (Zheng et al. 2024): fit Wq, Wk so attention matches the structure.
+
+    Each layer's Wq, Wk are fitted with Adam (``steps``, ``lr``; every ``renorm_every`` steps the
+    feature vectors are renormalised) so that the softmax attention matches the structure, each
+    row spread evenly over its open entries (MSE). ``fit_on``:
+
+    - ``positions`` (the reference): the layer-normed positional embeddings, after scaling them
+      by ``pos_scale``. Layers with the same pattern share one fit (the reference fits once).
+    - ``inputs``: what each attention layer really receives for ``probe_size`` examples from
+      ``backbone.example_inputs``; layers are fitted in order, each seeing the layers before it
+      already initialised, so the fit holds on real inputs at step 0.
+
+    ``qk_scale`` multiplies the fitted Wq and Wk. Defaults: the paper's arithmetic runs (2000 steps,
+    lr 1e-4, renormalise every 100).
+    """
+    if fit_on not in ("positions", "inputs"):
+        raise ValueError(f"fit_on must be 'positions' or 'inputs', got {fit_on!r}")
+    pairs = _structure_layers(backbone, structure)
+    if pos_scale != 1.0:
+        _backbone_method(backbone, "scale_positional_embedding", "qk_opt")(pos_scale)
+    if fit_on == "positions":
+        positions = _normed_positions(backbone, "qk_opt")
+    else:
+        probe = _backbone_method(backbone, "example_inputs", "qk_opt")(probe_size)
+    fitted: dict[bytes, tuple[Tensor, Tensor]] = {}
+    for index, (layer, open) in enumerate(pairs):
+        target = (open.float() / open.sum(-1, keepdim=True)).expand(layer.num_heads, -1, -1)
+        if fit_on == "positions":
+            key = open.numpy().tobytes() + positions[index].numpy().tobytes()
+            if key not in fitted:
+                fitted[key] = fit_query_key(positions[index], target, layer.head_dim, steps, lr, renorm_every)[:2]
+            wq, wk = fitted[key]
+        else:
+            layer.clear_prior()
+            seen = _attention_inputs(backbone, probe, index)
+            wq, wk, _ = fit_query_key(seen, target, layer.head_dim, steps, lr, renorm_every)
+        _set_query_key(layer, qk_scale * wq, qk_scale * wk)
+        layer.clear_prior()
+
+
+# ================================================================== mimetic and impulse
+def mimetic_pair(dim: int, alpha: float, beta: float, sign: float, rank: int) -> tuple[Tensor, Tensor]:
+    """``L`` (dim, rank), ``R`` (rank, dim) with ``L R`` ~ ``alpha Z + sign beta I`` (Trockman & Kolter).
+
+    Z is uniform with variance 1/dim (as in the reference); the split is an SVD truncated to ``rank``.
+    """
+    bound = (3.0 / dim) ** 0.5
+    z = (torch.rand(dim, dim, dtype=torch.float64) * 2 - 1) * bound
+    left, right = _factor(alpha * z + sign * beta * torch.eye(dim, dtype=torch.float64), min(rank, dim))
+    return left.float(), right.float()
+
+
+def _mimetic_value(layer: PriorAttention, alpha: float, beta: float) -> None:
+    """Wproj Wv ~ alpha Z - beta I (zero-padded where the attention is wider than the model)."""
+    left, right = mimetic_pair(layer.dim, alpha, beta, -1.0, layer.inner_dim)
+    rank = right.shape[0]
+    inner = layer.inner_dim
+    with torch.no_grad():
+        wv = layer.qkv.weight[2 * inner :]
+        wv.zero_()
+        wv[:rank] = right
+        layer.proj.weight.zero_()
+        layer.proj.weight[:, :rank] = left
+
+
+@register_init("mimetic")
+def mimetic_init(backbone: nn.Module, structure: Structure | None, qk_alpha: float = 0.7,
+                 qk_beta: float = 0.7, value_alpha: float = 0.4, value_beta: float = 0.4) -> None:
+    """Mimetic init (Trockman & Kolter 2023): each head's ``Wq^T Wk ~ qk_alpha Z + qk_beta I``, and
+    ``Wproj Wv ~ value_alpha Z - value_beta I``, Z random (variance 1/dim), split by SVD. No structure."""
+    for layer in attention_layers(backbone):
+        qs, ks = [], []
+        for _ in range(layer.num_heads):
+            left, right = mimetic_pair(layer.dim, qk_alpha, qk_beta, 1.0, layer.head_dim)
+            qs.append(left.transpose(0, 1))
+            ks.append(right)
+        _set_query_key(layer, torch.stack(qs), torch.stack(ks))
+        _mimetic_value(layer, value_alpha, value_beta)
+        layer.clear_prior()
+
+
+@register_init("impulse")
+def impulse_init(backbone: nn.Module, structure: Structure | None, open_value: float = 1000.0,
+                 closed_noise: float = 3.0, pos_scale: float = 18.0, qk_scale: float = 7.0,
+                 value_alpha: float = 0.4, value_beta: float = 0.4) -> None:
+    """Impulse init (vision; Zheng et al. 2025): each head's attention over the patch grid is a 3x3 impulse.
+
+    The structure is the task's if it gives one, else ``grid_impulse`` on ``backbone.patch_grid()``
+    with head h taking offset h mod 9 (centre, up, right, left, down, up-left, up-right, down-left,
+    down-right). Wq, Wk follow QK-SVD with the reference's target: ``open_value`` on open entries,
+    ``closed_noise`` x truncated normal (std 0.6) noise elsewhere; positions x``pos_scale``, QK
+    x``qk_scale``. As in the reference, the values get the mimetic ``Wproj Wv ~ 0.4 Z - 0.4 I``
+    (set ``value_alpha = value_beta = 0`` to leave them alone).
+    """
+    layers = attention_layers(backbone)
+    if structure is None:
+        height, width = _backbone_method(backbone, "patch_grid", "impulse")()
+        heads = layers[0].num_heads
+        offsets = [IMPULSE_OFFSETS[h % len(IMPULSE_OFFSETS)] for h in range(heads)]
+        structure = grid_impulse(height, width, offsets, name=f"impulse {height}x{width}")
+        to_sequence = getattr(backbone, "structure_for_sequence", None)
+        structure = to_sequence(structure) if to_sequence is not None else structure
+    pairs = _structure_layers(backbone, structure)
+    _backbone_method(backbone, "scale_positional_embedding", "impulse")(pos_scale)
+    for (layer, open), positions in zip(pairs, _normed_positions(backbone, "impulse"), strict=True):
+        open = open.expand(layer.num_heads, -1, -1)
+        noise = nn.init.trunc_normal_(torch.empty(open.shape), std=0.6)
+        target = torch.where(open, float(open_value), closed_noise * noise)
+        wq, wk = svd_query_key(positions, target, layer.head_dim)
+        _set_query_key(layer, qk_scale * wq, qk_scale * wk)
+        if value_alpha or value_beta:
+            _mimetic_value(layer, value_alpha, value_beta)
+        layer.clear_prior()
+
+
+# ================================================================== measuring the structure
+@torch.no_grad()
+def open_attention_mass(backbone: nn.Module, inputs, structure: Structure) -> Tensor:
+    """Mean attention probability on open entries, per layer and head (layers, heads), for ``inputs``.
+
+    1.0 means every query puts all its mass on the pairs the structure opens; uniform attention
+    gives the open fraction of each row.
+    """
+    probs = attention_probabilities(backbone, inputs)
+    open = structure.expanded(len(probs), probs[0].shape[1]).to(probs[0].device)
+    return torch.stack([(p * o).sum(-1).mean(dim=(0, 2)) for p, o in zip(probs, open, strict=True)])
