@@ -247,4 +247,4 @@ def test_digits_cli_fit(tmp_path):
     from lightning_maskprior.tensorboard import read_scalars
 
     scalars = read_scalars(next(tmp_path.rglob("version_0")))
-    assert {"val/top1", "val/loss", "train/loss"} <= set(scalars)
+    assert {"val/top1", "val/top5", "val/loss", "persistence/score"} <= set(scalars)
