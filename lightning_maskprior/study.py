@@ -36,6 +36,7 @@ from typing import Any
 from lightning_maskprior import paper_results
 
 STDERR_TAIL_LINES = 25
+MAX_PERSISTENCE_PLOTS = 16
 
 
 class StudyError(ValueError):
@@ -787,6 +788,10 @@ def write_plots(study: Study) -> list[Path]:
             continue
         present = {tag for seeds in scalars.values() for s in seeds for tag in s}
         persistence = sorted(t for t in present if t.startswith("persistence/"))
+        # Per-layer / per-head tags can number in the hundreds: plot the summaries (persistence/<name>)
+        # when the callback logs them, else the first MAX_PERSISTENCE_PLOTS tags.
+        summaries = [t for t in persistence if t.count("/") == 1]
+        persistence = (summaries or persistence)[:MAX_PERSISTENCE_PLOTS]
         groups = [(tag, [tag]) for tag in task.curves if tag in present]
         if persistence:
             groups.append(("persistence", persistence))

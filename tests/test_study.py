@@ -144,6 +144,7 @@ def fake_results(study, values: dict, persistence: bool = False) -> None:
             writer.add_scalar("val/acc", metrics["val/acc"] * (step + 1) / 3, step)
             if persistence:
                 writer.add_scalar("persistence/open_mass/layer0", 0.9 - 0.1 * step, step)
+                writer.add_scalar("persistence/open_mass", 0.8 - 0.1 * step, step)
         writer.close()
 
 
