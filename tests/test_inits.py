@@ -1,0 +1,160 @@
+"""Query/key baselines (qk_svd, qk_opt, mimetic, impulse): their algebra on small sizes, the
+attention mass they put on open entries at init, and a tiny CLI fit for each."""
+
+import pytest
+import torch
+
+from conftest import CONFIGS
+from lightning_maskprior import priors
+from lightning_maskprior.attention import PriorAttention, attention_layers
+from lightning_maskprior.cli import main
+from lightning_maskprior.datamodules.boolean import BooleanGOTUDataModule
+from lightning_maskprior.inits import (
+    apply_init,
+    fit_query_key,
+    mimetic_pair,
+    open_attention_mass,
+    svd_query_key,
+)
+from lightning_maskprior.models import TokenTransformer
+from lightning_maskprior.task import TaskSpec
+
+
+def _probs(wq, wk, x):
+    """Attention probabilities (heads, N, N) of per-head Wq, Wk (heads, head_dim, dim) on inputs x (N, dim)."""
+    q, k = x @ wq.transpose(-2, -1), x @ wk.transpose(-2, -1)
+    return (q @ k.transpose(-2, -1) / wq.shape[-2] ** 0.5).softmax(-1)
+
+
+def test_mimetic_product_is_alpha_z_plus_beta_identity():
+    torch.manual_seed(3)
+    z = (torch.rand(24, 24, dtype=torch.float64) * 2 - 1) * (3 / 24) ** 0.5
+    torch.manual_seed(3)
+    left, right = mimetic_pair(24, 0.7, 0.7, 1.0, rank=24)
+    assert left.shape == (24, 24) and right.shape == (24, 24)
+    assert torch.allclose((left @ right).double(), 0.7 * z + 0.7 * torch.eye(24, dtype=torch.float64), atol=1e-5)
+
+
+def test_mimetic_init_sets_query_key_and_value_products():
+    torch.manual_seed(0)
+    spec = BooleanGOTUDataModule("2parity", n=6).task_spec()
+    backbone = TokenTransformer(spec, dim=32, depth=2, num_heads=2, head_dim=32, mlp_dim=32)
+    apply_init("mimetic", backbone, None)
+    torch.set_grad_enabled(False)
+    for layer in attention_layers(backbone):
+        wq, wk = layer.query_key_weights()
+        qk = wq.transpose(-2, -1) @ wk  # (heads, dim, dim): x Wq^T Wk y^T
+        assert qk.diagonal(dim1=-2, dim2=-1).mean() == pytest.approx(0.7, abs=0.05)
+        off = qk - torch.diag_embed(qk.diagonal(dim1=-2, dim2=-1))
+        assert off.std() == pytest.approx(0.7 / 32**0.5, rel=0.2)
+        wv = layer.qkv.weight[2 * layer.inner_dim :]
+        value = layer.proj.weight @ wv
+        assert value.diagonal().mean() == pytest.approx(-0.4, abs=0.05)
+        assert layer.prior_logits is None
+    torch.set_grad_enabled(True)
+
+
+@pytest.mark.parametrize("rank", [6, 10])
+def test_svd_factorisation_reproduces_the_target_at_rank_at_least_n(rank):
+    torch.manual_seed(1)
+    x = torch.randn(6, 16)
+    target = torch.rand(2, 6, 6) * 10
+    wq, wk = svd_query_key(x, target, head_dim=rank)
+    assert wq.shape == (2, rank, 16) and wk.shape == (2, rank, 16)
+    logits = x @ wq.transpose(-2, -1) @ wk @ x.T
+    assert torch.allclose(logits / logits.norm(dim=(-2, -1), keepdim=True),
+                          target / target.norm(dim=(-2, -1), keepdim=True), atol=1e-4)
+    assert torch.allclose(wq.norm(dim=(-2, -1)), torch.ones(2)) and torch.allclose(wk.norm(dim=(-2, -1)), torch.ones(2))
+
+
+def test_svd_factorisation_below_rank_n_is_only_an_approximation():
+    torch.manual_seed(1)
+    x, target = torch.randn(6, 16), torch.rand(1, 6, 6) * 10
+    wq, wk = svd_query_key(x, target, head_dim=3)
+    logits = x @ wq.transpose(-2, -1) @ wk @ x.T
+    assert not torch.allclose(logits / logits.norm(), target / target.norm(), atol=1e-2)
+
+
+def test_qk_opt_reduces_its_loss_and_puts_mass_on_open_entries():
+    torch.manual_seed(2)
+    x = torch.nn.functional.layer_norm(torch.randn(6, 16), [16])
+    open = priors.cyclic_window(6, (0, 1)).layer(0).expand(2, -1, -1)
+    target = open.float() / open.sum(-1, keepdim=True)
+    wq, wk, losses = fit_query_key(x, target, head_dim=8, steps=300, lr=1e-2, renorm_every=100)
+    assert losses[-1] < 0.5 * losses[0]
+    mass = (_probs(wq, wk, x) * open).sum(-1).mean()
+    assert mass > 0.8
+
+
+class GridBackbone(TokenTransformer):
+    """A tiny vision-like backbone: one token per patch of a height x width grid."""
+
+    def __init__(self, height, width, **kwargs):
+        spec = TaskSpec("grid", height * width, 1, 1, objective=None)
+        super().__init__(spec, **kwargs)
+        self.grid = (height, width)
+
+    def patch_grid(self):
+        return self.grid
+
+
+def test_impulse_heads_attend_to_their_neighbour_on_the_grid():
+    torch.manual_seed(0)
+    height, width = 4, 5
+    backbone = GridBackbone(height, width, dim=32, depth=2, num_heads=9, head_dim=20, mlp_dim=32)
+    apply_init("impulse", backbone, None)
+    positions = backbone.positional_embedding()
+    for layer, norm in zip(attention_layers(backbone), backbone.attention_norms(), strict=True):
+        wq, wk = layer.query_key_weights()
+        probs = _probs(wq, wk, norm(positions).detach())
+        best = probs.argmax(-1)  # (heads, N)
+        for head, (dr, dc) in enumerate(priors.IMPULSE_OFFSETS):
+            for r in range(height):
+                for c in range(width):
+                    inside = 0 <= r + dr < height and 0 <= c + dc < width
+                    expected = (r + dr) * width + c + dc if inside else r * width + c
+                    assert best[head, r * width + c] == expected, (head, r, c)
+        assert probs.max(-1).values.min() > 0.9
+
+
+def test_impulse_without_structure_or_patch_grid_names_the_missing_method():
+    spec = BooleanGOTUDataModule("2parity", n=6).task_spec()
+    backbone = TokenTransformer(spec, dim=16, depth=1, num_heads=2, head_dim=8, mlp_dim=16)
+    with pytest.raises(ValueError, match=r"TokenTransformer.patch_grid\(\)"):
+        apply_init("impulse", backbone, None)
+    layer_only = torch.nn.Sequential(PriorAttention(16, 2))
+    with pytest.raises(ValueError, match="positional_embedding"):
+        apply_init("qk_svd", layer_only, spec.structure)
+
+
+@pytest.mark.parametrize("task", ["2parity", "cyclic3"])
+def test_qk_inits_put_most_attention_mass_on_open_entries_at_init(task):
+    """CPU-scale config model (width 64, 4 layers, 3 heads, head_dim 64), the task's init defaults."""
+    spec = BooleanGOTUDataModule(task, n=15).task_spec()
+    probe = torch.randint(0, 2, (256, 15), generator=torch.Generator().manual_seed(0))
+    mass = {}
+    for init in ("default", "qk_svd", "qk_opt"):
+        torch.manual_seed(0)
+        backbone = TokenTransformer(spec)
+        apply_init(init, backbone, spec.structure, **spec.init_defaults.get(init, {}))
+        mass[init] = open_attention_mass(backbone, probe, spec.structure).mean().item()
+    assert mass["default"] < 0.25
+    assert mass["qk_opt"] >= 0.8
+    assert mass["qk_svd"] >= 0.9
+
+
+def test_qk_opt_can_fit_on_real_inputs_layer_by_layer():
+    torch.manual_seed(0)
+    spec = BooleanGOTUDataModule("2parity", n=6).task_spec()
+    backbone = TokenTransformer(spec, dim=16, depth=2, num_heads=2, head_dim=8, mlp_dim=16, pos_init_std=1.0)
+    probe = backbone.example_inputs(64)
+    before = open_attention_mass(backbone, probe, spec.structure).mean()
+    apply_init("qk_opt", backbone, spec.structure, fit_on="inputs", probe_size=32, steps=200, lr=1e-2)
+    after = open_attention_mass(backbone, probe, spec.structure).mean()
+    assert after > before + 0.2
+
+
+@pytest.mark.parametrize("init", ["qk_svd", "qk_opt", "mimetic", "impulse"])
+def test_tiny_fit_runs_with_each_query_key_init(tiny_args, capsys, init):
+    main(["fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / f"init/{init}.yaml"), *tiny_args])
+    assert "final validation metrics" in capsys.readouterr().out
