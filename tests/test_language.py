@@ -244,3 +244,20 @@ def test_pydoc_split_is_disjoint_and_fixed(tmp_path):
     sizes = {s: sum(map(len, d)) for s, d in a.items()}
     assert min(sizes["validation"], sizes["test"]) >= 0.1 * sum(sizes.values())
     assert not set(a["train"]) & (set(a["validation"]) | set(a["test"]))
+
+
+@pytest.mark.parametrize("config", ["pydoc.yaml", "paper/wikitext2.yaml", "paper/tinystories.yaml"])
+def test_language_configs_set_every_argument_shared_with_the_default_backbone(config):
+    # jsonargparse keeps the default backbone's (TokenTransformer's) init_args when the class_path changes:
+    # a GPT config that leaves out head_dim or qkv_bias silently gets TokenTransformer's values.
+    import inspect
+
+    import yaml
+
+    from lightning_maskprior.models import TokenTransformer
+
+    given = yaml.safe_load((CONFIGS / "language" / config).read_text())["model"]["backbone"]["init_args"]
+    ours = inspect.signature(GPT).parameters
+    theirs = inspect.signature(TokenTransformer).parameters
+    shared = [k for k in ours if k in theirs and k != "task" and ours[k].default != theirs[k].default]
+    assert not [k for k in shared if k not in given]
