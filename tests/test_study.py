@@ -221,6 +221,13 @@ def test_tiny_study_runs_resumes_and_tabulates(tmp_path, monkeypatch):
     run_study(load_study(tiny_study(tmp_path / "out")), log=lambda line, **kw: lines.append(line))
     assert "  8 finished earlier (skipped), 0 to run" in lines[1]
     assert (study.out_dir / "table.md").read_text() == md
+    # A run redone from scratch (as after a kill) gives the same numbers: the resumed table is the same as
+    # an uninterrupted study's.
+    redo = study.runs()[0]
+    redo.result_path.unlink()
+    run_study(load_study(tiny_study(tmp_path / "out")), log=lambda line, **kw: None)
+    assert json.loads(redo.result_path.read_text())["metrics"] == results[redo.name]["metrics"]
+    assert (study.out_dir / "table.md").read_text() == md
 
 
 # -------------------------------------------------------- real subprocesses: test stage, a failure
