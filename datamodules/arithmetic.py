@@ -138,7 +138,12 @@ class ArithmeticDataModule(L.LightningDataModule):
             objective=DigitsObjective(self.num_answer),
             structure=self.structure(),
             # PAPER.md: arithmetic masks open = +5, closed = -5.
-            init_defaults={m: {"open_value": 5.0, "closed_value": -5.0} for m in ("mask", "fixed")},
+            init_defaults={
+                **{m: {"open_value": 5.0, "closed_value": -5.0} for m in ("mask", "fixed")},
+                # PAPER.md: QK-SVD target pattern open = 10000 / closed = 0; QK-Opt 2,000 iterations.
+                "qk_svd": {"open_value": 10000.0, "closed_value": 0.0},
+                "qk_opt": {"steps": 2000},
+            },
             extras=extras,
         )
 
