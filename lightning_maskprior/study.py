@@ -800,14 +800,15 @@ def write_plots(study: Study) -> list[Path]:
             rows = math.ceil(len(tags) / cols)
             fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
             for ax, tag in zip(axes.flat, tags, strict=False):
-                for init in study.inits:
+                for index, init in enumerate(study.inits):
                     series = [s[tag] for s in scalars.get(init.label, []) if tag in s]
                     if not series:
                         continue
+                    color = f"C{index % 10}"  # one colour per init method in every panel, even where one is missing
                     steps, mean, low, high = _mean_curve(series)
-                    line, = ax.plot(steps, mean, label=paper_results.METHOD_LABELS.get(init.name, init.label))
+                    ax.plot(steps, mean, color=color, label=paper_results.METHOD_LABELS.get(init.name, init.label))
                     if len(series) > 1:
-                        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+                        ax.fill_between(steps, low, high, color=color, alpha=0.2)
                 ax.set_title(tag, fontsize=9)
                 ax.set_xlabel("step")
                 ax.grid(alpha=0.3)
