@@ -2,10 +2,9 @@
 
 import pytest
 
+from conftest import CONFIGS
 from lightning_maskprior.cli import main
 from lightning_maskprior.tensorboard import last_scalars
-
-from conftest import CONFIGS
 
 pytestmark = pytest.mark.slow
 
