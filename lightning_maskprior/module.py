@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 
 from lightning_maskprior.attention import PriorAttention, attention_layers
 from lightning_maskprior.inits import apply_init, get_init
-from lightning_maskprior.models import TokenTransformer
+from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.priors import Structure, StructureSpec
 from lightning_maskprior.task import TaskSpec
 
@@ -52,7 +52,7 @@ class MaskPriorModule(L.LightningModule):
 
     def __init__(
         self,
-        backbone: Callable[[TaskSpec], nn.Module] = TokenTransformer,
+        backbone: Callable[[TaskSpec], Backbone] = TokenTransformer,
         init: str = "default",
         init_options: dict[str, Any] | None = None,
         structure: StructureSpec | None = None,

@@ -13,12 +13,13 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lightning_maskprior.models.base import Backbone
 from lightning_maskprior.models.token_transformer import Block
 from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
 
-class GPT(nn.Module):
+class GPT(Backbone):
     """Causal language model: (B, N) token ids -> (B, N, vocab) logits of the next token.
 
     Args:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_maskprior.attention import PriorAttention
+from lightning_maskprior.models.base import Backbone
 from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
@@ -36,7 +37,7 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class TokenTransformer(nn.Module):
+class TokenTransformer(Backbone):
     """A transformer over a sequence of discrete tokens with one pooled output.
 
     Args:

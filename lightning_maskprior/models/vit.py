@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_maskprior.attention import PriorAttention
+from lightning_maskprior.models.base import Backbone
 from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
@@ -65,7 +66,7 @@ def map_structure_heads(structure: Structure, num_heads: int, mode: Literal["cyc
     return Structure(mapped, name=f"{structure.name} ({mode} over {num_heads} heads)")
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(Backbone):
     """A timm ViT (any ``vit_*`` name) with PriorAttention, sized by the task; never pretrained.
 
     Image size, patch size, channels and classes come from the datamodule (``task.extras``), so a
