@@ -62,6 +62,8 @@ class PriorAttention(nn.Module):
         # When True, forward() also stores the attention probabilities in `last_attention`.
         self.record_attention = False
         self.last_attention: Tensor | None = None
+        # Route a prior through SDPA on CPU too (the tests check both paths agree).
+        self.use_sdpa_on_cpu = False
 
     # ----------------------------------------------------------------------------- the prior
     def set_prior(self, logits: Tensor, trainable: bool = True, scale: float = 1.0) -> None:
@@ -118,16 +120,21 @@ class PriorAttention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, head_dim)
         bias = self._attn_bias(seq_len, q.dtype)
         is_causal = self.causal and bias is None
-        if self.record_attention:
-            self.last_attention = self.reference_probs(q, k, bias, is_causal).detach()
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=bias,
-            dropout_p=self.attn_drop if self.training else 0.0,
-            is_causal=is_causal,
-        )
+        dropout_p = self.attn_drop if self.training else 0.0
+        if bias is not None and q.device.type == "cpu" and not self.use_sdpa_on_cpu:
+            # On CPU, SDPA with a grad-requiring float mask falls back to an unfused math kernel
+            # that is slower than these three ops (benchmarks/prior_overhead.py); on GPU SDPA's
+            # fused kernels take the bias, so there the prior goes through SDPA.
+            probs = self.reference_probs(q, k, bias, is_causal)
+            if self.record_attention:
+                self.last_attention = probs.detach()
+            out = F.dropout(probs, dropout_p) @ v
+        else:
+            if self.record_attention:
+                self.last_attention = self.reference_probs(q, k, bias, is_causal).detach()
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=is_causal
+            )
         out = out.transpose(1, 2).reshape(batch, seq_len, self.inner_dim)
         return self.proj_drop(self.proj(out))
 

@@ -89,3 +89,18 @@ def test_fixed_prior_is_not_trained():
     assert not layer.prior_logits.requires_grad
     layer(torch.randn(1, 4, 8)).sum().backward()
     assert layer.prior_logits.grad is None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_explicit_path_matches_sdpa_path(causal):
+    torch.manual_seed(2)
+    layer = PriorAttention(dim=12, num_heads=3, causal=causal).double()
+    layer.set_prior(torch.randn(3, 6, 6) * 2)
+    x = torch.randn(2, 6, 12, dtype=torch.float64)
+    explicit = layer(x)
+    grad_explicit = torch.autograd.grad(explicit.sum(), layer.prior_logits)[0]
+    layer.use_sdpa_on_cpu = True
+    fused = layer(x)
+    grad_fused = torch.autograd.grad(fused.sum(), layer.prior_logits)[0]
+    torch.testing.assert_close(explicit, fused)
+    torch.testing.assert_close(grad_explicit, grad_fused)
