@@ -13,13 +13,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_maskprior.models.base import Backbone
+from lightning_maskprior.models.base import TokenBackbone
 from lightning_maskprior.models.token_transformer import Block
 from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
 
-class GPT(Backbone):
+class GPT(TokenBackbone):
     """Causal language model: (B, N) token ids -> (B, N, vocab) logits of the next token.
 
     Args:
@@ -87,18 +87,6 @@ class GPT(Backbone):
     def positional_embedding(self) -> Tensor:
         """(N, dim): what each position carries apart from its token (for the query/key inits)."""
         return self.pos_embedding[0]
-
-    @torch.no_grad()
-    def scale_positional_embedding(self, factor: float) -> None:
-        self.pos_embedding.mul_(factor)
-
-    def attention_norms(self) -> list[nn.Module]:
-        """The LayerNorm right before each attention layer (pre-norm blocks)."""
-        return [block.norm1 for block in self.blocks]
-
-    def example_inputs(self, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
-        """Uniformly random token ids (B, N)."""
-        return torch.randint(self.vocab_size, (batch_size, self.seq_len), generator=generator)
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, tokens: Tensor) -> Tensor:

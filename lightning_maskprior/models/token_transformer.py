@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_maskprior.attention import PriorAttention
-from lightning_maskprior.models.base import Backbone
+from lightning_maskprior.models.base import TokenBackbone
 from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
@@ -37,7 +37,7 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class TokenTransformer(Backbone):
+class TokenTransformer(TokenBackbone):
     """A transformer over a sequence of discrete tokens with one pooled output.
 
     Args:
@@ -117,19 +117,6 @@ class TokenTransformer(Backbone):
         if self.cls_token is not None:
             pos[0] += self.cls_token[0, 0].detach()
         return pos
-
-    @torch.no_grad()
-    def scale_positional_embedding(self, factor: float) -> None:
-        """Multiply the positional embedding in place (the QK-SVD reference scales it by 18)."""
-        self.pos_embedding.mul_(factor)
-
-    def attention_norms(self) -> list[nn.Module]:
-        """The LayerNorm applied to the residual stream before each attention layer, in order."""
-        return [block.norm1 for block in self.blocks]
-
-    def example_inputs(self, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
-        """A batch of uniformly random token sequences (for Boolean tasks: uniform on the cube)."""
-        return torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=generator)
 
     def forward(self, tokens: Tensor) -> Tensor:
         if tokens.shape[1] != self.seq_len:
