@@ -56,11 +56,6 @@ def register_init(name: str) -> Callable[[InitMethod], InitMethod]:
     return decorator
 
 
-def needs_structure(name: str) -> bool:
-    """Whether init method ``name`` reads the structure."""
-    return getattr(get_init(name), "needs_structure", False)
-
-
 def get_init(name: str) -> InitMethod:
     if name not in INIT_METHODS:
         raise ValueError(f"unknown init method {name!r}; expected one of {sorted(INIT_METHODS)}")
