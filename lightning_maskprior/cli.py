@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import lightning as L
+import torch
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_maskprior.module import MaskPriorModule
@@ -56,15 +57,22 @@ def main(args: list[str] | None = None) -> None:
         from lightning_maskprior.study import main as study_main
 
         return study_main(argv[1:])
-    MaskPriorCLI(
-        MaskPriorModule,
-        L.LightningDataModule,
-        subclass_mode_data=True,
-        trainer_defaults={"default_root_dir": "runs"},
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        auto_configure_optimizers=False,
-    )
+    try:
+        MaskPriorCLI(
+            MaskPriorModule,
+            L.LightningDataModule,
+            subclass_mode_data=True,
+            trainer_defaults={"default_root_dir": "runs"},
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            auto_configure_optimizers=False,
+        )
+    finally:
+        # A DDP run leaves its process group (gloo/NCCL threads) alive; tearing it down at
+        # interpreter exit instead sometimes aborts the process ("terminate called without an
+        # active exception") after a successful fit. Close it here, on every rank.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
