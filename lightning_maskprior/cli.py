@@ -23,7 +23,14 @@ class MaskPriorCLI(LightningCLI):
         parser.link_arguments("data", "model.task", apply_on="instantiate", compute_fn=_task_spec)
 
     def after_fit(self) -> None:
-        _print_metrics(self.trainer, "val/", "final validation metrics")
+        trainer = self.trainer
+        every = trainer.check_val_every_n_epoch
+        if (every and every > 1 and trainer.current_epoch % every and trainer.limit_val_batches != 0
+                and not trainer.interrupted):
+            # The last epoch was not validated (max_epochs is not a multiple of check_val_every_n_epoch):
+            # validate the final weights, so the printed and last-logged metrics are the final model's.
+            trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        _print_metrics(trainer, "val/", "final validation metrics")
 
     def after_validate(self) -> None:
         _print_metrics(self.trainer, "val/", "validation metrics")

@@ -89,7 +89,8 @@ class Study:
     launcher: str = "subprocess"
 
     def runs(self) -> list[Run]:
-        return [Run(self, task, init, seed) for task in self.tasks for init in self.inits for seed in self.seeds]
+        """Every cell, seed by seed: a study stopped early has the first seeds of every task and init."""
+        return [Run(self, task, init, seed) for seed in self.seeds for task in self.tasks for init in self.inits]
 
 
 def build_parser():

@@ -25,6 +25,7 @@ def tiny_args(tmp_path) -> list[str]:
         "--model.backbone.init_args.head_dim", "8",
         "--model.backbone.init_args.mlp_dim", "32",
         "--trainer.max_epochs", "2",
+        "--trainer.check_val_every_n_epoch", "1",
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
         "--trainer.default_root_dir", str(tmp_path / "runs"),

@@ -36,6 +36,19 @@ def test_tiny_fit_logs_every_metric(tiny_args, tmp_path, capsys, init):
     assert list((run_dirs[0] / "checkpoints").glob("*.ckpt"))
 
 
+def test_last_epoch_is_validated_when_the_validation_interval_skips_it(tiny_args, tmp_path, capsys):
+    """max_epochs 3 with validation every 2 epochs: the final weights are still validated and printed."""
+    run_cli("fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
+            *tiny_args, "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "2")
+    out = capsys.readouterr().out
+    assert "final validation metrics" in out and "val/acc " in out
+    (run_dir,) = (tmp_path / "runs").glob("lightning_logs/version_*")
+    scalars = read_scalars(run_dir)
+    steps = [step for step, _ in scalars["val/acc"]]
+    assert len(steps) == 2  # after epoch 2, then after the final epoch 3
+    assert steps[0] < steps[1]
+
+
 def test_mask_prior_is_trained_and_fixed_is_not(tiny_args, tmp_path):
     for init in ("mask", "fixed"):
         run_cli("fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / f"init/{init}.yaml"),
@@ -115,8 +128,10 @@ def test_ddp_fit_runs_and_logs_every_metric(tmp_path):
          "-c", str(CONFIGS / "trainer/ddp.yaml"),
          "--data.init_args.n", "6", "--model.backbone.init_args.dim", "16",
          "--model.backbone.init_args.depth", "1", "--model.backbone.init_args.head_dim", "8",
-         "--model.backbone.init_args.mlp_dim", "16", "--trainer.max_epochs", "2",
-         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)],
+         "--model.backbone.init_args.mlp_dim", "16", "--trainer.enable_progress_bar", "false",
+         # validated after epoch 2 and, since max_epochs is odd, once more after the fit (2 points)
+         "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "2",
+         "--trainer.default_root_dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

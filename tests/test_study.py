@@ -17,7 +17,8 @@ TINY = [
     "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
     "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
     "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
-    "--trainer.max_epochs", "1", "--trainer.enable_model_summary", "false", "--trainer.callbacks", "null",
+    "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1",
+    "--trainer.enable_model_summary", "false", "--trainer.callbacks", "null",
 ]
 METRICS = [{"tag": "val/mse", "label": "MSE", "paper": "mse"},
            {"tag": "val/acc", "label": "acc %", "scale": 100, "digits": 2, "paper": "acc"}]
@@ -192,8 +193,11 @@ def test_tiny_study_runs_resumes_and_tabulates(tmp_path, monkeypatch):
     finished = [r for r in study.runs() if r.result_path.is_file()]
     assert len(finished) == 5
     first_results = {r.name: r.result_path.read_text() for r in finished}
+    # Seed by seed: every cell of seed 0 first, then seed 1.
+    assert sorted(r.name for r in finished) == sorted(
+        [f"{t}/{i}/seed0" for t in ("2parity", "majority3") for i in ("default", "mask")] + ["2parity/default/seed1"])
     half_table = read_csv_table(study.out_dir / "table.csv")  # written after every run
-    assert half_table["majority3"]["mask:MSE:n"] == "0"  # not run yet
+    assert half_table["majority3"]["mask:MSE:n"] == "1"  # seed 1 not run yet
     # A run killed while training leaves a directory without result.json: it is redone from scratch.
     unfinished = study.runs()[5]
     unfinished.dir.mkdir(parents=True)
