@@ -626,8 +626,9 @@ def run_study(study: Study, log=print) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- tables
-def _stats(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def _stats(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample std; no std from a single value (it is undefined, not 0)."""
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
 def collect(study: Study) -> dict[tuple[str, str], list[dict]]:
@@ -689,8 +690,9 @@ def write_outputs(study: Study, plots: bool = True) -> int:
             ours, paper = [], []
             for metric in task.metrics:
                 value = row[(init.label, metric.label)]
-                text = "–" if value["mean"] is None else (
-                    f"{_number(value['mean'], metric.digits)} ± {_number(value['std'], metric.digits)}")
+                text = "–" if value["mean"] is None else _number(value["mean"], metric.digits)
+                if value["std"] is not None:
+                    text += f" ± {_number(value['std'], metric.digits)}"
                 if value["mean"] is not None and value["n"] < len(study.seeds):
                     text += f" ({value['n']}/{len(study.seeds)} seeds)"
                 ours.append(text)

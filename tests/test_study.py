@@ -177,6 +177,19 @@ def test_table_has_mean_std_and_paper_numbers(tmp_path, monkeypatch):
                      "majority3_val_acc.png"]
 
 
+def test_one_seed_has_no_std(tmp_path, monkeypatch):
+    """A single value has no sample std: the table shows the value alone, the CSV leaves std empty."""
+    monkeypatch.chdir(ROOT)
+    study = load_study(tiny_study(tmp_path / "out", seeds=[0]))
+    values = {(t.name, i.label, 0): {"val/mse": 0.5, "val/acc": 0.75} for t in study.tasks for i in study.inits}
+    fake_results(study, values)
+    assert write_outputs(study, plots=False) == 0
+    md = (study.out_dir / "table.md").read_text()
+    assert "| 2parity | 0.5000 / 75.00 | 1.3790 / 75.00 |" in md and "±" not in md.split("\n- ")[0]
+    row = read_csv_table(study.out_dir / "table.csv")["2parity"]
+    assert row["default:MSE:std"] == "" and row["default:MSE:n"] == "1"
+
+
 # ------------------------------------------------------------------ real tiny runs (in-process)
 def test_tiny_study_runs_resumes_and_tabulates(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
