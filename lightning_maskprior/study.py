@@ -809,7 +809,8 @@ def write_plots(study: Study) -> list[Path]:
                         continue
                     color = f"C{index % 10}"  # one colour per init method in every panel, even where one is missing
                     steps, mean, low, high = _mean_curve(series)
-                    ax.plot(steps, mean, color=color, label=paper_results.METHOD_LABELS.get(init.name, init.label))
+                    ax.plot(steps, mean, color=color, label=paper_results.METHOD_LABELS.get(init.name, init.label),
+                            marker="o" if len(steps) <= 12 else None, markersize=3)  # a lone point shows
                     if len(series) > 1:
                         ax.fill_between(steps, low, high, color=color, alpha=0.2)
                 ax.set_title(tag, fontsize=9)
