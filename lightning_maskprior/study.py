@@ -8,6 +8,8 @@ Every run gets its own directory ``<out_dir>/<task>/<init>/seed<k>/`` with its T
 checkpoint, console output and a ``result.json``. A run with a ``result.json`` from the same
 command is finished and skipped when the study is run again, so an interrupted study continues
 where it stopped. A run that fails is recorded with the tail of its stderr; the study goes on.
+While it runs, a study holds ``<out_dir>/.study.lock``, so a second study in the same directory fails
+at once instead of deleting the first one's unfinished runs.
 At the end (and after every run) the study writes ``table.md`` / ``table.csv`` (mean +- std over
 seeds, the paper's numbers beside ours), ``results.csv`` (one row per run) and PNG plots.
 """
@@ -148,7 +150,8 @@ def build_parser():
     parser.add_argument("--test", type=bool, default=True,
         help="Run `maskprior test` on the final checkpoint after each fit.")
     parser.add_argument("--out_dir", type=str | None, default=None,
-        help="Where runs and tables go (default: runs/study/<study file name>).")
+        help="Where runs and tables go (default: runs/study/<study file name>). One study at a time per "
+             "directory: a second one fails naming the process that holds <out_dir>/.study.lock.")
     parser.add_argument("--parallel", type=int, default=1, help="How many runs at a time.")
     parser.add_argument(
         "--threads_per_run", type=int | None, default=None,
@@ -551,11 +554,67 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+LOCK_NAME = ".study.lock"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def study_lock(out_dir: Path):
+    """Hold ``<out_dir>/.study.lock`` while a study runs there.
+
+    Two studies in one directory would each take the other's unfinished runs for interrupted ones and
+    delete them. A second study therefore fails at once, naming the process that holds the lock. A lock
+    left behind by a process that no longer exists (a killed machine) is taken over.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = out_dir / LOCK_NAME
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                pid = None
+            if pid is not None and pid != os.getpid() and _pid_alive(pid):
+                raise StudyError(
+                    f"another study (process {pid}) is running in {out_dir}; wait for it to finish or stop "
+                    f"it, or give this one another --out_dir (lock file: {lock})"
+                ) from None
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        break
+    else:
+        raise StudyError(f"could not take the study lock {lock}")
+    try:
+        yield lock
+    finally:
+        lock.unlink(missing_ok=True)
+
+
 def run_study(study: Study, log=print) -> int:
-    """Run every unfinished run, then write tables and plots. Returns the number of failed runs."""
+    """Run every unfinished run, then write tables and plots. Returns the number of failed runs.
+
+    Raises StudyError when another live study holds ``<out_dir>/.study.lock``.
+    """
+    with study_lock(study.out_dir):
+        return _run_study(study, log)
+
+
+def _run_study(study: Study, log=print) -> int:
     runs = study.runs()
     todo = [run for run in runs if not run.is_done()]
-    study.out_dir.mkdir(parents=True, exist_ok=True)
     log(f"study {study.title}: {len(runs)} runs ({len(study.tasks)} tasks x {len(study.inits)} inits x "
         f"{len(study.seeds)} seeds) in {study.out_dir}")
     log(f"  {len(runs) - len(todo)} finished earlier (skipped), {len(todo)} to run, {study.parallel} at a time, "
@@ -858,6 +917,8 @@ def main(argv: list[str] | None = None) -> None:
         failed = run_study(study)
     except Interrupted:
         sys.exit(130)
+    except StudyError as err:
+        parser.error(str(err))
     print("\n" + (study.out_dir / "table.md").read_text())
     if failed:
         sys.exit(1)

@@ -1,7 +1,10 @@
 """``maskprior study``: validation before any run, tables (mean / std / paper), resume, failures, plots."""
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,16 @@ from conftest import CONFIGS, ROOT
 from lightning_maskprior import paper_results
 from lightning_maskprior.cli import main
 from lightning_maskprior.inits import INIT_METHODS
-from lightning_maskprior.study import Interrupted, StudyError, build_parser, load_study, run_study, write_outputs
+from lightning_maskprior.study import (
+    LOCK_NAME,
+    Interrupted,
+    StudyError,
+    build_parser,
+    load_study,
+    run_study,
+    study_lock,
+    write_outputs,
+)
 
 TINY = [
     "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
@@ -118,6 +130,40 @@ def test_bad_study_file_fails_before_any_run(tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == 2
     assert "inits[2] (svd): unknown init method 'svd'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
+
+
+def test_second_study_in_the_same_directory_fails_naming_the_first(tmp_path, monkeypatch, capsys):
+    """Two studies in one out_dir would delete each other's unfinished runs: the second must refuse."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK_NAME).write_text(f"{holder.pid}\n")
+        with pytest.raises(StudyError, match=f"another study \\(process {holder.pid}\\) is running in"):
+            run_study(load_study(tiny_study(out)))
+        path = tmp_path / "study.yaml"
+        path.write_text(yaml.safe_dump(tiny_study(out)))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["study", "-c", str(path)])
+        assert exit_info.value.code == 2
+        assert f"process {holder.pid}" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing ran
+    assert (out / LOCK_NAME).read_text().split()[0] == str(holder.pid)  # the other study's lock is left alone
+
+
+def test_stale_lock_is_taken_over_and_released(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid no longer names a live process
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(f"{dead.pid}\n")
+    with study_lock(out) as lock:
+        assert lock.read_text().split()[0] == str(os.getpid())
+    assert not (out / LOCK_NAME).exists()
 
 
 def test_help_explains_every_option(capsys):
