@@ -585,6 +585,7 @@ def study_lock(out_dir: Path):
                 pid = int(lock.read_text().split()[0])
             except (OSError, ValueError, IndexError):
                 pid = None
+            # Our own PID in the file is stale too: containers reuse PIDs after a restart.
             if pid is not None and pid != os.getpid() and _pid_alive(pid):
                 raise StudyError(
                     f"another study (process {pid}) is running in {out_dir}; wait for it to finish or stop "
