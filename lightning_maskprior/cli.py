@@ -8,12 +8,19 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_maskprior import checks, run_status
 from lightning_maskprior.module import MaskPriorModule
+from lightning_maskprior.resume import LAST, Diverged, RunGuard
 
 
 class MaskPriorCLI(LightningCLI):
@@ -21,6 +28,26 @@ class MaskPriorCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data", "model.task", apply_on="instantiate", compute_fn=_task_spec)
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand == "fit":
+            _continue_run_directory(self.config.fit)
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
+        # Every fit keeps last.ckpt (and stops on SIGTERM/SIGINT with it saved), unless checkpointing is off.
+        callbacks = [*callbacks, RunGuard()]
+        configured = [c for c in _as_list(config.get("callbacks")) if isinstance(c, ModelCheckpoint)]
+        if config.get("enable_checkpointing", True) is not False:
+            if not configured:
+                callbacks.append(ModelCheckpoint(save_last=True))
+            for callback in configured:
+                callback.save_last = callback.save_last or True
+        return super()._instantiate_trainer(config, callbacks)
+
+    def before_fit(self) -> None:
+        checks.check_subcommand(self.config[self.subcommand], self.model)  # ckpt_path: readable, fits the model
+
+    before_validate = before_test = before_fit
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -37,6 +64,49 @@ class MaskPriorCLI(LightningCLI):
 
     def after_test(self) -> None:
         _print_metrics(self.trainer, "test/", "test metrics")
+
+
+def _as_list(value: Any) -> list:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _continue_run_directory(config) -> None:
+    """Resuming a fit: ``--ckpt_path last`` finds the newest ``last.ckpt``, and the logs continue in its run directory.
+
+    A checkpoint at ``<save_dir>/<name>/<version>/checkpoints/x.ckpt`` makes the TensorBoard logger write
+    to that same ``<version>`` directory instead of a new one, with ``purge_step`` at the checkpoint's step:
+    points a killed run logged after its last checkpoint are hidden, so no step appears twice.
+    """
+    ckpt = config.get("ckpt_path")
+    if ckpt is None:
+        return
+    root = Path(config.trainer.get("default_root_dir") or ".")
+    if ckpt == "last":
+        found = sorted(root.glob(f"*/*/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise SystemExit(f"maskprior: --ckpt_path last: no {LAST} under {root}/*/*/checkpoints/; train from "
+                             "scratch (omit --ckpt_path) or give a checkpoint file")
+        config.ckpt_path = ckpt = str(found[-1])
+        print(f"resuming from {ckpt}", flush=True)
+    path = Path(ckpt)
+    if path.parent.name != "checkpoints" or not path.is_file():
+        return
+    version_dir = path.parent.parent
+    logger = config.trainer.get("logger")
+    if logger not in (None, True):
+        is_tensorboard = getattr(logger, "class_path", "").endswith("TensorBoardLogger")
+        if not is_tensorboard or logger.init_args.get("version") is not None:
+            return  # a logger the user chose: leave it alone
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
+    except Exception:  # unreadable here: Lightning's own load will report it
+        step = None
+    init_args = {"save_dir": str(version_dir.parent.parent), "name": version_dir.parent.name,
+                 "version": version_dir.name}
+    if step:
+        init_args["purge_step"] = int(step)
+    config.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=Namespace(
+        **{**(logger.init_args.as_dict() if logger not in (None, True) else {}), **init_args}))
 
 
 def _task_spec(datamodule: L.LightningDataModule):
@@ -60,26 +130,36 @@ def _print_metrics(trainer: L.Trainer, prefix: str, title: str) -> None:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``maskprior`` console script."""
     argv = sys.argv[1:] if args is None else list(args)
+    checks.check_argv(argv)  # YAML syntax errors in -c files, naming the file and line
     if argv[:1] == ["study"]:  # not a LightningCLI subcommand: a grid of fit/test runs
         from lightning_maskprior.study import main as study_main
 
         return study_main(argv[1:])
     try:
-        MaskPriorCLI(
-            MaskPriorModule,
-            L.LightningDataModule,
-            subclass_mode_data=True,
-            trainer_defaults={"default_root_dir": "runs"},
-            save_config_kwargs={"overwrite": True},
-            args=args,
-            auto_configure_optimizers=False,
-        )
+        _run_cli(args)
+    except Diverged as err:
+        print(f"maskprior: {err}", file=sys.stderr, flush=True)
+        sys.exit(run_status.EXIT_DIVERGED)
+    except SIGTERMException:  # Lightning's own SIGTERM stop (before training started): still "not finished"
+        sys.exit(run_status.EXIT_SIGTERM)
     finally:
         # A DDP run leaves its process group (gloo/NCCL threads) alive; tearing it down at
         # interpreter exit instead sometimes aborts the process ("terminate called without an
         # active exception") after a successful fit. Close it here, on every rank.
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _run_cli(args: list[str] | None) -> None:
+    MaskPriorCLI(
+        MaskPriorModule,
+        L.LightningDataModule,
+        subclass_mode_data=True,
+        trainer_defaults={"default_root_dir": "runs"},
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        auto_configure_optimizers=False,
+    )
 
 
 if __name__ == "__main__":

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 
 class TensorDictDataset(Dataset):
@@ -56,14 +59,43 @@ class ExactDistributedSampler(DistributedSampler):
         return self.num_samples
 
 
+class EpochShuffleSampler(StatefulDistributedSampler):
+    """Shuffles with ``seed + epoch`` and remembers how far into the epoch it got, for exact resume.
+
+    The order of epoch e depends only on (seed, e), never on what the process did before, so a resumed
+    run shuffles epoch e as the uninterrupted one did. Lightning calls ``set_epoch`` at each epoch start
+    and saves the loader's state (torchdata's StatefulDataLoader, which includes this sampler's
+    position) in every checkpoint, so a run stopped mid-epoch continues with the next unseen batch.
+    It is a DistributedSampler, so Lightning leaves it in place under DDP: each rank takes every
+    world-th index of the same permutation (padded to equal length, as torch's DistributedSampler).
+    """
+
+    def __init__(self, dataset: Dataset, seed: int = 0) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        super().__init__(dataset, num_replicas=dist.get_world_size() if distributed else 1,
+                         rank=dist.get_rank() if distributed else 0, shuffle=True, seed=seed)
+
+    # The epoch is part of the state: Lightning prefetches the first batch after a restart before it
+    # calls set_epoch, so the restored sampler must already know which epoch's order it is in.
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.epoch = int(state_dict.get("epoch", self.epoch))
+
+
 def train_loader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
-                 drop_last: bool = False) -> DataLoader:
-    """A shuffled loader; under DDP Lightning swaps in a DistributedSampler (seeded per epoch)."""
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(
-        dataset, batch_size=batch_size, shuffle=True, generator=generator, num_workers=num_workers,
-        drop_last=drop_last, collate_fn=_identity_collate if _batched(dataset) else None,
-        persistent_workers=num_workers > 0,
+                 drop_last: bool = False) -> StatefulDataLoader:
+    """A shuffled loader whose position goes into checkpoints (exact resume, also mid-epoch and under DDP).
+
+    The loader's own ``generator`` (not the global RNG) seeds worker processes, so creating a loader
+    iterator does not advance the global RNG that dropout and augmentation draw from.
+    """
+    return StatefulDataLoader(
+        dataset, batch_size=batch_size, sampler=EpochShuffleSampler(dataset, seed=seed),
+        generator=torch.Generator().manual_seed(seed), num_workers=num_workers, drop_last=drop_last,
+        collate_fn=_identity_collate if _batched(dataset) else None, persistent_workers=num_workers > 0,
     )
 
 
@@ -74,6 +106,7 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0) -> Data
         sampler = ExactDistributedSampler(dataset)
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=num_workers,
+        generator=torch.Generator().manual_seed(0),  # iterating must not advance the global RNG
         collate_fn=_identity_collate if _batched(dataset) else None,
         persistent_workers=num_workers > 0,
     )

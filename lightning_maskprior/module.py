@@ -16,6 +16,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_maskprior import checks
 from lightning_maskprior.attention import PriorAttention, attention_layers
 from lightning_maskprior.inits import apply_init, get_init
 from lightning_maskprior.models import Backbone, TokenTransformer
@@ -67,6 +68,13 @@ class MaskPriorModule(L.LightningModule):
             raise ValueError("MaskPriorModule needs the datamodule's TaskSpec (task=dm.task_spec())")
         if lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a whole number of steps >= 0, got {warmup_steps!r}")
+        if not (isinstance(prior_weight_decay, int | float) and 0 <= prior_weight_decay < math.inf):
+            raise ValueError(f"prior_weight_decay must be a finite number >= 0 (0: no decay of M), "
+                             f"got {prior_weight_decay!r}")
+        if init_options is not None and not isinstance(init_options, dict):
+            raise ValueError(f"init_options must be a mapping of option: value, got {init_options!r}")
         get_init(init)  # fail early on an unknown name
         self.save_hyperparameters(ignore=["backbone", "optimizer", "task", "structure"])
         self.task = task
@@ -95,6 +103,11 @@ class MaskPriorModule(L.LightningModule):
     def attention_layers(self) -> list[PriorAttention]:
         """The backbone's PriorAttention layers, in order (what callbacks read)."""
         return attention_layers(self.backbone)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning calls this before load_state_dict: a checkpoint of another config fails here, in the
+        # config's terms ("trained with dim 64, the config asks for 16"), not as a list of size mismatches.
+        checks.check_checkpoint_fits(checkpoint, self)
 
     # ------------------------------------------------------------------------------ steps
     def forward(self, inputs: Tensor) -> Tensor:
@@ -149,15 +162,19 @@ class MaskPriorModule(L.LightningModule):
         optimizer = self.optimizer_factory(groups)
         if self.lr_schedule == "constant" and self.warmup_steps == 0:
             return optimizer
-        total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup, cosine = self.warmup_steps, self.lr_schedule == "cosine"
+        total: list[int] = []
 
         def factor(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
-            if not cosine:
+            if not cosine or step == warmup:
                 return 1.0
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            # Read on first use, during training: asking for it in configure_optimizers would make Lightning
+            # build the training loader before a checkpoint's loader state is restored (inexact resume).
+            if not total:
+                total.append(max(1, int(self.trainer.estimated_stepping_batches)))
+            progress = min(1.0, (step - warmup) / max(1, total[0] - warmup))
             return 0.5 * (1.0 + math.cos(math.pi * progress))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

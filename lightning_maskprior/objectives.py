@@ -61,6 +61,7 @@ class RegressionObjective(Objective):
 
     def _update(self, metrics: MetricCollection, prefix: str, pred: Tensor, target: Tensor) -> None:
         correct = nearest_label(pred, self.label_values) == nearest_label(target, self.label_values)
+        correct &= torch.isfinite(pred)  # a NaN prediction is wrong, whatever argmin makes of it
         metrics[f"{prefix}acc"].update(correct.float())
         metrics[f"{prefix}mse"].update(pred, target)
 
@@ -103,7 +104,8 @@ class DigitsObjective(Objective):
         return MetricCollection({"seq_acc": MeanMetric(), "digit_acc": MeanMetric()}, compute_groups=False)
 
     def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
-        correct = self.digit_logits(output).argmax(dim=-1) == batch["digits"]
+        logits = self.digit_logits(output)
+        correct = (logits.argmax(dim=-1) == batch["digits"]) & torch.isfinite(logits).all(dim=-1)  # NaN: wrong
         metrics["seq_acc"].update(correct.all(dim=1).float())
         metrics["digit_acc"].update(correct.float())
 
@@ -193,4 +195,12 @@ class ClassificationObjective(Objective):
         return MetricCollection(metrics, compute_groups=False)
 
     def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
-        metrics.update(output.float(), batch["target"])
+        output, target = output.float(), batch["target"]
+        broken = ~torch.isfinite(output).all(dim=-1)
+        if broken.any() and target.dim() == 1:
+            # A NaN row must count as wrong, but argmax/topk would pick some class: give it logits that
+            # rank the target last.
+            output = output.clone()
+            output[broken] = 0.0
+            output[broken, target[broken]] = -1e9
+        metrics.update(output, target)
