@@ -156,6 +156,9 @@ class BooleanGOTUDataModule(L.LightningDataModule):
             )
         if batch_size < 1 or eval_batch_size < 1:
             raise ValueError(f"batch sizes must be positive, got {batch_size} and {eval_batch_size}")
+        if max_train_points is not None and (isinstance(max_train_points, bool) or max_train_points < 1):
+            raise ValueError(f"max_train_points must be a positive number of training points, or null for every "
+                             f"seen point, got {max_train_points}")
         if task == "cyclic3" and not custom and n < 3:
             raise ValueError(f"cyclic3 needs n >= 3, got n={n}")
         self.task, self.n, self.custom = task, n, custom
@@ -205,6 +208,12 @@ class BooleanGOTUDataModule(L.LightningDataModule):
         seen = seen_values > 0 if seen_values.dtype != torch.bool else seen_values
         if not seen.any():
             raise ValueError(f"the seen condition {self.seen_spec!r} holds nowhere on the cube")
+        if seen.all():
+            raise ValueError(
+                f"task {self.task}: the seen condition {self.seen_spec!r} holds on all 2^{n} = {2**n} points, so "
+                "there is no unseen slice to extrapolate to (unseen_acc / unseen_mse would be NaN); give a seen "
+                "condition that is false somewhere, e.g. {'1': 1.0, 'x0': 1.0} (seen where x0 = 1)"
+            )
         coefficients = walsh_hadamard(target) / 2**n
         mdi = walsh_hadamard(min_degree_interpolator(coefficients, seen, n))
         self.label_values = _label_values(target)

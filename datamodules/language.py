@@ -46,7 +46,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             raise FileNotFoundError(f"{path} has neither tokenizer.json nor vocab.json + merges.txt")
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file {path} does not exist")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the tokenizers library names no file
+        raise ValueError(f"tokenizer file {path} is not a tokenizer.json of the tokenizers library ({err}); "
+                         "expected e.g. GPT-2's tokenizer.json, or a folder with vocab.json + merges.txt") from None
 
 
 def bpe_from_vocab_merges(vocab: str | Path, merges: str | Path) -> Tokenizer:
@@ -184,7 +188,7 @@ class LanguageModelDataModule(L.LightningDataModule):
         if self.datasets:
             return
         docs = self.documents()
-        missing = [s for s in SPLITS if not docs.get(s)]
+        missing = [s for s in SPLITS if not any(doc.strip() for doc in docs.get(s) or [])]
         if missing:
             raise ValueError(f"{self.name}: the {missing} split(s) have no text")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -297,18 +301,37 @@ class WikiText2DataModule(LanguageModelDataModule):
                                                                              strict=True)}
         parquet = {s: _files(self.data_dir, [f"**/{s}-*.parquet", f"**/{s}.parquet"]) for s in SPLITS}
         if all(raw.values()):
+            for path in (p for paths in raw.values() for p in paths):
+                _check_utf8(path, "WikiText-2 file", "the raw UTF-8 text of wikitext-2-raw-v1")
             ds = datasets.load_dataset("text", data_files=raw, keep_linebreaks=True, streaming=True)
+            sources = raw
         elif all(parquet.values()):
             ds = datasets.load_dataset("parquet", data_files=parquet, streaming=True)
+            sources = parquet
         elif self.download:
             ds = datasets.load_dataset("Salesforce/wikitext", "wikitext-2-raw-v1", streaming=True)
+            sources = {s: ["Salesforce/wikitext (wikitext-2-raw-v1) from the Hub"] for s in SPLITS}
         else:
             raise FileNotFoundError(
                 f"no WikiText-2 under {self.data_dir}: expected wiki.train.raw / wiki.valid.raw / "
                 "wiki.test.raw, or train-/validation-/test-*.parquet (or set download: true)"
             )
         # The lines keep their line breaks (HF's rows are lines ending in "\n"): joined, they are the file.
-        return {s: ["".join(_lines(_text_column(ds[s])))] for s in SPLITS}
+        texts = {s: "".join(_lines(_text_column(ds[s]))) for s in SPLITS}
+        for split, text in texts.items():
+            if not text.strip():
+                raise ValueError(f"WikiText-2 {split} split is empty: {', '.join(sources[split])} holds no text; "
+                                 "expected the wikitext-2-raw-v1 text of that split")
+        return {s: [text] for s, text in texts.items()}
+
+
+def _check_utf8(path: str, what: str, expected: str) -> None:
+    """Raise naming ``path`` and the byte offset if the file is not UTF-8 (the datasets reader names neither)."""
+    try:
+        Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {path} is not UTF-8 text: byte 0x{err.object[err.start]:02x} at offset "
+                         f"{err.start} cannot be decoded; expected {expected}") from None
 
 
 def _lines(lines: Iterable[str]) -> Iterator[str]:
@@ -352,22 +375,32 @@ class TinyStoriesDataModule(LanguageModelDataModule):
         text = _files(self.data_dir, [f"**/TinyStories*-{stem}.txt", f"**/*{stem}*.txt"])
         if parquet:
             rows = _text_column(datasets.load_dataset("parquet", data_files=parquet, split="train", streaming=True))
+            source = ", ".join(parquet)
         elif text:
             rows = _stories_from_text(text[0])
+            source = text[0]
         elif self.download:
             rows = _text_column(datasets.load_dataset("roneneldan/TinyStories", split=split, streaming=True))
+            source = "roneneldan/TinyStories from the Hub"
         else:
             raise FileNotFoundError(
                 f"no TinyStories {split} split under {self.data_dir}: expected {split}-*.parquet or "
                 f"TinyStories-{stem}.txt (or set download: true)"
             )
         stories = []
-        for story in rows:
-            story = story.strip()
-            if story:
-                stories.append(story)
-                if limit is not None and len(stories) == limit:
-                    break
+        try:
+            for story in rows:
+                story = story.strip()
+                if story:
+                    stories.append(story)
+                    if limit is not None and len(stories) == limit:
+                        break
+        except UnicodeDecodeError as err:
+            raise ValueError(f"TinyStories file {source} is not UTF-8 text: byte 0x{err.object[err.start]:02x} "
+                             "cannot be decoded; expected the UTF-8 TinyStories text") from None
+        if not stories:
+            raise ValueError(f"TinyStories {split} split is empty: {source} holds no story; expected stories "
+                             f"separated by {END_OF_TEXT} (text) or a 'text' column (parquet)")
         return stories
 
     def documents(self) -> dict[str, list[str]]:

@@ -87,6 +87,60 @@ class _EncodedImages:
             raise DatasetFilesError(f"cannot decode {where}: {err}") from err
 
 
+class _ArrowBytes:
+    """One column of encoded images in a memory-mapped ``datasets.Dataset``, as ``bytes`` per item.
+
+    Only the item asked for is copied out of the Arrow file; the file's pages live in the page cache,
+    which every process mapping it (DDP ranks, DataLoader workers) shares. Pickling sends the dataset,
+    which pickles as its file path (a few KB), never the data; the column is looked up again after.
+    """
+
+    def __init__(self, dataset: Any, column: str = "image") -> None:
+        self.dataset, self.column = dataset, column
+        self._values = None  # the pyarrow column: zero-copy views into the mapping, not picklable cheaply
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_values": None}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> bytes:
+        if self._values is None:
+            self._values = self.dataset.data.table.column(self.column)
+        item = self._values[index].as_py()  # {"bytes", "path"} (Hugging Face Image) or raw bytes
+        return item["bytes"] if isinstance(item, dict) else item
+
+
+def _posterize(img: Image.Image, bits_to_keep: int, **_: Any) -> Image.Image:
+    """timm's ``posterize`` op, with Pillow < 13's result for ``bits_to_keep == 0``: an all-black image.
+
+    timm's ``PosterizeIncreasing`` (RandAugment ``inc1``) keeps ``4 - int(magnitude / 10 * 4)`` bits, i.e. 0 bits
+    at magnitude 10, which ``mstd0.5`` noise around m9 reaches (then clips to) about 2% of the time. Pillow < 13
+    built the mask ``~(2 ** (8 - 0) - 1) = -256`` for that and so mapped every value to 0; Pillow 13 raises
+    ``ValueError: bits must be between or equal to 1 and 8`` instead. Other bit counts go to Pillow unchanged.
+    """
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep < 1 and img.mode in ("L", "RGB"):
+        return img.point([0] * 256 * len(img.getbands()))
+    from PIL import ImageOps
+
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def _keep_zero_bit_posterize(transform: Any) -> Any:
+    """Swap timm's posterize for :func:`_posterize` in the auto-augment ops of a timm transform (in place)."""
+    from timm.data import auto_augment
+
+    for t in getattr(transform, "transforms", [transform]):
+        ops = list(getattr(t, "ops", None) or []) + [op for sub in getattr(t, "policy", None) or [] for op in sub]
+        for op in ops:
+            if isinstance(op, auto_augment.AugmentOp) and op.aug_fn is auto_augment.posterize:
+                op.aug_fn = _posterize
+    return transform
+
+
 class ImageClassificationDataModule(L.LightningDataModule):
     """Shared recipe for image classification; subclasses only read their images.
 
@@ -145,6 +199,9 @@ class ImageClassificationDataModule(L.LightningDataModule):
             raise ValueError(f"img_size={img_size} is not a multiple of patch_size={patch_size}")
         if batch_size < 1 or eval_batch_size < 1:
             raise ValueError(f"batch sizes must be positive, got {batch_size} and {eval_batch_size}")
+        if max_train_size is not None and (isinstance(max_train_size, bool) or max_train_size < 1):
+            raise ValueError(f"max_train_size must be a positive number of images, or null for all of them, "
+                             f"got {max_train_size}")
         if (mixup > 0 or cutmix > 0) and batch_size % 2:
             raise ValueError(f"mixup/cutmix mixes pairs within a batch: batch_size must be even, got {batch_size}")
         self.img_size, self.patch_size = img_size, patch_size
@@ -199,10 +256,11 @@ class ImageClassificationDataModule(L.LightningDataModule):
                       interpolation="bicubic", crop_pct=self.crop_pct)
         if not (train and self.augment):
             return create_transform(is_training=False, **common)
-        return create_transform(
+        # Pillow 13 rejects the 0-bit posterize that timm's RandAugment (rand-...-inc1) sometimes asks for.
+        return _keep_zero_bit_posterize(create_transform(
             is_training=True, scale=self.scale, hflip=self.hflip, color_jitter=self.color_jitter or None,
             auto_augment=self.auto_augment, re_prob=self.re_prob, **common,
-        )
+        ))
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None and stage in (None, "fit"):
@@ -345,27 +403,46 @@ class ImageNet100DataModule(ImageClassificationDataModule):
     - Hugging Face parquet: ``root/**/train-*.parquet`` and ``root/**/validation-*.parquet`` (or ``val``,
       ``test``) with an ``image`` column (``{"bytes": ...}`` or raw bytes) and an integer ``label`` column.
 
-    Validation and test both use the validation split. The parquet images are read into memory (the
-    encoded bytes, ~7 GB for ImageNet-100's training split); prefer ImageFolder when memory is short.
+    Validation and test both use the validation split. Parquet splits are copied once into an Arrow
+    cache (``cache_dir``, as large as the parquet files: ~7 GB for ImageNet-100) with Hugging Face
+    ``datasets``, then memory-mapped: each process holds only the labels and the images it decodes,
+    and all processes on a machine share the mapped file's page cache. A parquet file changed later
+    (new modification time) gets a fresh copy; delete ``cache_dir`` to reclaim old copies.
 
     Args:
         root: The dataset folder.
         num_classes: Number of classes (ImageNet-100: 100); checked against the labels found.
+        cache_dir: Where the Arrow copy of parquet splits goes (default: ``root/arrow_cache``; set it
+            when ``root`` is read-only). Nothing is written under ``~/.cache`` and nothing is downloaded.
         **recipe: See ImageClassificationDataModule (paper: 224 px, average pooling, 300 epochs).
     """
 
     dataset_name = "imagenet100"
 
-    def __init__(self, root: str = "data/imagenet100", num_classes: int = 100, **recipe: Any) -> None:
+    def __init__(self, root: str = "data/imagenet100", num_classes: int = 100, cache_dir: str | None = None,
+                 **recipe: Any) -> None:
         self.num_classes = num_classes
         super().__init__(**recipe)
         self.root = Path(root)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else self.root / "arrow_cache"
 
     def _how_to_get(self) -> str:
         return (f"Expected {self.root}/train/<class>/<image> and {self.root}/val/<class>/<image> (ImageFolder), "
                 f"or parquet files {self.root}/**/train-*.parquet and validation-*.parquet with 'image' and "
                 "'label' columns (e.g. a Hugging Face ImageNet-100 dataset fetched with `huggingface-cli "
                 f"download <dataset> --repo-type dataset --local-dir {self.root}`).")
+
+    def prepare_data(self) -> None:
+        # Parquet splits are copied to Arrow here, not in setup: Lightning calls prepare_data once per
+        # node (local rank 0) before any rank's setup, so under DDP one process writes the copy and
+        # setup on every rank only memory-maps the finished file. datasets also holds a file lock
+        # (<cache_dir>/..._builder.lock) while it writes, so setup without prepare_data (scripts,
+        # tests) or several nodes sharing one cache_dir wait for the writer instead of racing it.
+        for train in (True, False):
+            folder = any((self.root / name).is_dir() and not list((self.root / name).glob("*.parquet"))
+                         for name in _SPLIT_NAMES[train])
+            if self.root.is_dir() and not folder:
+                self._parquet(train)
 
     def load_split(self, train: bool):
         if not self.root.is_dir():
@@ -397,6 +474,9 @@ class ImageNet100DataModule(ImageClassificationDataModule):
         return _EncodedImages(paths), labels
 
     def _parquet(self, train: bool):
+        """The split's parquet files as a memory-mapped Arrow dataset: images decoded per item, numpy labels."""
+        import datasets
+        import pyarrow.dataset
         import pyarrow.parquet as pq
 
         files = sorted(p for p in self.root.rglob("*.parquet")
@@ -404,17 +484,30 @@ class ImageNet100DataModule(ImageClassificationDataModule):
         split = "train" if train else "val"
         if not files:
             raise DatasetFilesError(f"no {split} images found under {self.root}. {self._how_to_get()}")
-        images: list[bytes] = []
-        labels: list[int] = []
-        for path in files:
+        for path in files:  # footers only: name a bad file here, before datasets' less specific errors
             try:
-                table = pq.read_table(path, columns=["image", "label"])
-            except Exception as err:  # noqa: BLE001 - not parquet, missing columns
+                missing = {"image", "label"} - set(pq.read_schema(path).names)
+            except Exception as err:  # noqa: BLE001 - not parquet
                 raise DatasetFilesError(f"cannot read parquet file {path} ({err}). {self._how_to_get()}") from err
-            for item in table.column("image").to_pylist():
-                images.append(item["bytes"] if isinstance(item, dict) else item)
-            labels += [int(y) for y in table.column("label").to_pylist()]
-        return _EncodedImages(images), labels
+            if missing:
+                raise DatasetFilesError(f"cannot read parquet file {path} (no column {sorted(missing)}). "
+                                        f"{self._how_to_get()}")
+        # The first call copies the two columns into <cache_dir>/parquet/default-<hash of the files' paths
+        # and modification times>/.../parquet-<split>.arrow; later calls (and other processes) find it
+        # there and only map it. No network: the packaged parquet builder reads local files only.
+        # pre_buffer=False: by default Arrow prefetches a whole parquet file before its first batch, so
+        # the copy would briefly hold each file in memory (measured: +1.3 GB for a 1 GB file; +0.15 GB so).
+        try:
+            dataset = datasets.Dataset.from_parquet(
+                [str(p.resolve()) for p in files], split="train" if train else "validation",
+                cache_dir=str(self.cache_dir), columns=["image", "label"], keep_in_memory=False,
+                fragment_scan_options=pyarrow.dataset.ParquetFragmentScanOptions(pre_buffer=False))
+        except Exception as err:  # noqa: BLE001 - unreadable row groups, cache_dir not writable, disk full
+            raise DatasetFilesError(f"cannot copy the {split} parquet files under {self.root} to Arrow in "
+                                    f"{self.cache_dir} ({err}); cache_dir must be a writable folder. "
+                                    f"{self._how_to_get()}") from err
+        labels = dataset.data.table.column("label").to_numpy()
+        return _EncodedImages(_ArrowBytes(dataset)), labels
 
 
 # ----------------------------------------------------------------------------------- digits

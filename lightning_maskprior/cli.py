@@ -130,7 +130,7 @@ def _print_metrics(trainer: L.Trainer, prefix: str, title: str) -> None:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``maskprior`` console script."""
     argv = sys.argv[1:] if args is None else list(args)
-    checks.check_argv(argv)  # YAML syntax errors in -c files, naming the file and line
+    checks.check_argv(argv)  # -c files and ckpt_path, before LightningCLI reads them: exit 2 naming the file
     if argv[:1] == ["study"]:  # not a LightningCLI subcommand: a grid of fit/test runs
         from lightning_maskprior.study import main as study_main
 

@@ -30,6 +30,7 @@ The QK baselines fit Wq, Wk to what the attention sees. A backbone that supports
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -71,12 +72,33 @@ def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **op
     if unknown:
         valid = sorted(k for k in accepted if k not in ("backbone", "structure"))
         raise ValueError(f"init method {name!r} got unknown options {unknown}; it accepts {valid}")
+    for key, value in options.items():
+        if key in accepted:
+            _check_option_type(name, key, value, accepted[key])
     layers = attention_layers(backbone)
     if not layers:
         raise ValueError(f"{type(backbone).__name__} has no PriorAttention layers to initialise")
     if getattr(fn, "needs_structure", False) and structure is None:
         raise ValueError(f"init method {name!r} needs a structure, but the task gave none")
     fn(backbone, structure, **options)
+
+
+def _check_option_type(init: str, key: str, value, param: inspect.Parameter) -> None:
+    """A number where the init method takes a number, an integer where it takes one (YAML gives strings as is)."""
+    annotation = param.annotation.__name__ if isinstance(param.annotation, type) else str(param.annotation)
+    annotation = annotation.replace(" ", "")
+    kind = next((k for k in ("bool", "int", "float") if annotation in (k, f"{k}|None", f"None|{k}")), None)
+    if kind is None or (value is None and "None" in annotation):
+        return
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    fits = {"bool": isinstance(value, bool), "int": number and isinstance(value, int), "float": number}[kind]
+    if not fits:
+        expected = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind]
+        raise ValueError(
+            f"init method {init!r}: init_options.{key} must be {expected}, got {value!r} ({type(value).__name__})"
+        )
+    if kind == "float" and not math.isfinite(value):
+        raise ValueError(f"init method {init!r}: init_options.{key} must be a finite number, got {value!r}")
 
 
 def _structure_layers(backbone: nn.Module, structure: Structure) -> list[tuple[PriorAttention, torch.Tensor]]:

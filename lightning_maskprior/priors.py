@@ -368,23 +368,88 @@ class StructureSpec:
             structure = Structure(torch.stack(layer_list), name="yaml layers")
         if structure.seq_len != seq_len:
             n = structure.seq_len
-            raise ValueError(f"structure is {n}x{n} but the sequence has {seq_len} tokens")
+            source = f" (structure file {self.file})" if self.file is not None else ""
+            raise ValueError(f"structure is {n}x{n} but the sequence has {seq_len} tokens{source}")
         return structure
 
 
+STRUCTURE_FILE_CONTENT = (
+    "a Boolean (0/1) tensor of shape (N, N), (heads, N, N) or (layers, heads, N, N), saved with torch.save "
+    "(.pt) or numpy.save (.npy)"
+)
+
+
 def load_structure_file(path: str | Path) -> Structure:
-    """Load a Boolean structure from a ``.pt`` (torch.save) or ``.npy`` file."""
+    """Load a Boolean structure from a ``.pt`` (torch.save) or ``.npy`` file, safely (no pickled objects)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"structure file {path} does not exist")
+        raise FileNotFoundError(f"structure file {path} does not exist; expected {STRUCTURE_FILE_CONTENT}")
     if path.suffix == ".npy":
-        import numpy as np
-
-        data = torch.from_numpy(np.load(path))
+        data = _read_npy(path)
     elif path.suffix in (".pt", ".pth"):
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(data, Structure):
-            return data
+        data = _read_pt(path)
     else:
         raise ValueError(f"structure file {path} must end in .pt or .npy, not {path.suffix!r}")
+    if data.dim() not in (2, 3, 4) or data.shape[-1] != data.shape[-2]:
+        raise ValueError(f"structure file {path} holds a tensor of shape {tuple(data.shape)}; "
+                         f"expected {STRUCTURE_FILE_CONTENT}")
+    if data.dtype != torch.bool:
+        other = data[(data != 0) & (data != 1)]
+        if other.numel():
+            raise ValueError(f"structure file {path} holds values other than 0 and 1 (e.g. {other[0].item()}); "
+                             f"expected {STRUCTURE_FILE_CONTENT}")
     return Structure(data, name=path.name)
+
+
+def _read_npy(path: Path) -> Tensor:
+    import numpy as np
+
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        raise ValueError(f"structure file {path} is not a .npy array (no NumPy header; a text file?); "
+                         f"expected {STRUCTURE_FILE_CONTENT}")
+    try:
+        array = np.load(path, allow_pickle=False)
+    except ValueError as err:
+        reason = "it holds pickled Python objects" if "pickle" in str(err).lower() else _first_line(err)
+        raise ValueError(f"structure file {path} cannot be read safely ({reason}); "
+                         f"expected {STRUCTURE_FILE_CONTENT}") from None
+    except Exception as err:  # noqa: BLE001 - truncated or corrupt: say which file
+        raise ValueError(f"structure file {path} is not a readable .npy array ({_first_line(err)}); "
+                         f"expected {STRUCTURE_FILE_CONTENT}") from None
+    if not (array.dtype == np.bool_ or np.issubdtype(array.dtype, np.number)):
+        raise ValueError(f"structure file {path} holds {array.dtype} values; expected {STRUCTURE_FILE_CONTENT}")
+    return torch.from_numpy(array)
+
+
+def _read_pt(path: Path) -> Tensor:
+    import pickle
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"structure file {path} is not a torch.save file (truncated, or another format); "
+                         f"expected {STRUCTURE_FILE_CONTENT}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"structure file {path} holds Python objects other than tensors, which are not loaded "
+                         f"from files; expected {STRUCTURE_FILE_CONTENT}") from None
+    except Exception as err:  # noqa: BLE001 - truncated or corrupt: say which file
+        raise ValueError(f"structure file {path} is not a readable torch.save file ({_first_line(err)}); "
+                         f"expected {STRUCTURE_FILE_CONTENT}") from None
+    if not isinstance(data, Tensor):
+        held = f"a {type(data).__name__}"
+        if isinstance(data, dict):
+            held = f"a dict with keys {sorted(map(str, data))[:6]}"
+        raise ValueError(f"structure file {path} holds {held}; expected {STRUCTURE_FILE_CONTENT}")
+    if data.is_complex():
+        raise ValueError(f"structure file {path} holds {data.dtype} values; expected {STRUCTURE_FILE_CONTENT}")
+    return data
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    first = lines[0][:200] if lines else ""
+    # Never pass on a library's advice to load the file unsafely.
+    return type(err).__name__ if not first or "weights_only" in first or "allow_pickle" in first else first

@@ -131,7 +131,7 @@ class RunGuard(Callback):
         stop = self.received is not None
         if trainer.world_size > 1:  # every rank stops at the same point (a signal may reach only one)
             signum = torch.tensor([self.received or 0], device=pl_module.device)
-            signum = trainer.strategy.all_reduce(signum, reduce_op="max")
+            signum = trainer.strategy.reduce(signum, reduce_op="max")
             stop, self.received = bool(signum.item()), int(signum.item()) or None
         if not stop or self._saved is not None:
             return

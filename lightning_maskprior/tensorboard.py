@@ -8,15 +8,18 @@ from pathlib import Path
 def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """All scalar series under ``log_dir``: ``{tag: [(step, value), ...]}`` sorted by step.
 
-    Reads every event file below ``log_dir`` (a resumed run may write several); a point logged
-    twice at the same step keeps the later value.
+    Reads every directory of event files below ``log_dir`` the way TensorBoard does: a resumed run
+    appends a new event file whose ``purge_step`` hides what the killed run logged after its last
+    checkpoint. Across directories, a point logged twice at the same step keeps the later value.
     """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     series: dict[str, dict[int, float]] = {}
-    files = sorted(Path(log_dir).rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
-    for path in files:
-        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    dirs: dict[Path, float] = {}
+    for path in Path(log_dir).rglob("events.out.tfevents.*"):
+        dirs[path.parent] = max(dirs.get(path.parent, 0.0), path.stat().st_mtime)
+    for directory in sorted(dirs, key=dirs.get):
+        accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
         accumulator.Reload()
         for tag in accumulator.Tags()["scalars"]:
             points = series.setdefault(tag, {})

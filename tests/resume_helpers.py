@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -39,9 +38,3 @@ class CrashAt(Callback):
         if trainer.global_step == self.step:
             raise RuntimeError(f"crash at step {self.step}")
 
-
-class PrintBatch(Callback):
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        import torch
-        w = sum(float(p.double().sum()) for p in pl_module.parameters())
-        print("DBG", trainer.global_step, batch_idx, float(batch["inputs"].double().sum()), float(batch["target"].sum()), repr(w), torch.initial_seed(), float(torch.rand(1, generator=None).item()) if False else "")

@@ -2,9 +2,12 @@
 
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from lightning_maskprior.cli import main
 from lightning_maskprior.inits import INIT_METHODS
 from lightning_maskprior.study import (
     LOCK_NAME,
+    OWNER_NAME,
     Interrupted,
     StudyError,
     build_parser,
@@ -24,6 +28,10 @@ from lightning_maskprior.study import (
     study_lock,
     write_outputs,
 )
+from lightning_maskprior.study import cell as cell_module
+from lightning_maskprior.study.cell import prepare_run
+from lightning_maskprior.study.launchers import cell_command
+from lightning_maskprior.study.launchers import local as local_launcher
 
 TINY = [
     "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
@@ -32,6 +40,7 @@ TINY = [
     "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1",
     "--trainer.enable_model_summary", "false", "--trainer.callbacks", "null",
 ]
+ONE_TASK = [{"name": "2parity", "config": "configs/boolean/2parity.yaml"}]
 METRICS = [{"tag": "val/mse", "label": "MSE", "paper": "mse"},
            {"tag": "val/acc", "label": "acc %", "scale": 100, "digits": 2, "paper": "acc"}]
 
@@ -132,38 +141,65 @@ def test_bad_study_file_fails_before_any_run(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
 
 
+# A process holding the study lock as a study on another host would (filelock on the shared directory, and
+# the owner file naming that host and process); it prints "locked" once it holds the lock.
+HOLD_LOCK = """
+import json, sys, time
+from filelock import FileLock
+out, name = sys.argv[1:]
+lock = FileLock(out + "/" + name, timeout=0)
+lock.acquire()
+json.dump({"host": "node-7", "pid": 4242, "started": "2024-01-02 03:04:05"}, open(out + "/.study.lock.json", "w"))
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def hold_lock(out: Path, name: str = LOCK_NAME) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out), name], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
 def test_second_study_in_the_same_directory_fails_naming_the_first(tmp_path, monkeypatch, capsys):
-    """Two studies in one out_dir would delete each other's unfinished runs: the second must refuse."""
+    """Two studies in one out_dir would take each other's unfinished runs: the second must refuse, naming the first."""
     monkeypatch.chdir(ROOT)
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = hold_lock(out)
     try:
-        (out / LOCK_NAME).write_text(f"{holder.pid}\n")
-        with pytest.raises(StudyError, match=f"another study \\(process {holder.pid}\\) is running in"):
+        message = r"another study \(host node-7, process 4242, started at 2024-01-02 03:04:05\) is running in"
+        with pytest.raises(StudyError, match=message):
             run_study(load_study(tiny_study(out)))
         path = tmp_path / "study.yaml"
         path.write_text(yaml.safe_dump(tiny_study(out)))
         with pytest.raises(SystemExit) as exit_info:
             main(["study", "-c", str(path)])
         assert exit_info.value.code == 2
-        assert f"process {holder.pid}" in capsys.readouterr().err
+        assert "host node-7, process 4242" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME, OWNER_NAME]  # nothing ran
+        assert json.loads((out / OWNER_NAME).read_text())["pid"] == 4242  # the other study's owner file is kept
     finally:
         holder.kill()
         holder.wait()
-    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing ran
-    assert (out / LOCK_NAME).read_text().split()[0] == str(holder.pid)  # the other study's lock is left alone
 
 
-def test_stale_lock_is_taken_over_and_released(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()  # its pid no longer names a live process
+def test_lock_of_a_killed_study_is_free(tmp_path):
+    """The OS releases the lock when its holder dies (even by SIGKILL): no stale lock to clean up."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / LOCK_NAME).write_text(f"{dead.pid}\n")
-    with study_lock(out) as lock:
-        assert lock.read_text().split()[0] == str(os.getpid())
-    assert not (out / LOCK_NAME).exists()
+    holder = hold_lock(out)
+    holder.kill()
+    holder.wait()
+    with study_lock(out):
+        owner = json.loads((out / OWNER_NAME).read_text())
+        assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname()
+        with pytest.raises(StudyError, match=f"process {os.getpid()}"):  # held: a second taker fails
+            with study_lock(out):
+                pass
+    assert not (out / OWNER_NAME).exists()
+    with study_lock(out):  # released: free again
+        pass
 
 
 def test_help_explains_every_option(capsys):
@@ -172,7 +208,7 @@ def test_help_explains_every_option(capsys):
     out = capsys.readouterr().out
     for option in ("--tasks", "--inits", "--seeds", "--seed_args", "--metrics", "--curves", "--paper_tables",
                    "--args", "--test", "--out_dir", "--parallel", "--threads_per_run", "--retry_failed",
-                   "--launcher", "--dry_run", "--table_only"):
+                   "--launcher", "--launcher_options", "--gpus_per_run", "--dry_run", "--table_only"):
         assert option in out
 
 
@@ -257,9 +293,9 @@ def test_tiny_study_runs_resumes_and_tabulates(tmp_path, monkeypatch):
         [f"{t}/{i}/seed0" for t in ("2parity", "majority3") for i in ("default", "mask")] + ["2parity/default/seed1"])
     half_table = read_csv_table(study.out_dir / "table.csv")  # written after every run
     assert half_table["majority3"]["mask:MSE:n"] == "1"  # seed 1 not run yet
-    # A run killed while training leaves a directory without result.json: it is redone from scratch.
+    # A run killed before its first checkpoint leaves a directory without result.json: it is redone from scratch.
     unfinished = study.runs()[5]
-    unfinished.dir.mkdir(parents=True)
+    assert unfinished.run_path.is_file() and not unfinished.result_path.exists()  # prepared, never ran
     (unfinished.dir / "stale.txt").write_text("from a killed run")
 
     lines.clear()
@@ -284,10 +320,10 @@ def test_tiny_study_runs_resumes_and_tabulates(tmp_path, monkeypatch):
     run_study(load_study(tiny_study(tmp_path / "out")), log=lambda line, **kw: lines.append(line))
     assert "  8 finished earlier (skipped), 0 to run" in lines[1]
     assert (study.out_dir / "table.md").read_text() == md
-    # A run redone from scratch (as after a kill) gives the same numbers: the resumed table is the same as
-    # an uninterrupted study's.
+    # A run redone from scratch (its directory lost) gives the same numbers: the table is the same as an
+    # uninterrupted study's.
     redo = study.runs()[0]
-    redo.result_path.unlink()
+    shutil.rmtree(redo.dir)
     run_study(load_study(tiny_study(tmp_path / "out")), log=lambda line, **kw: None)
     assert json.loads(redo.result_path.read_text())["metrics"] == results[redo.name]["metrics"]
     assert (study.out_dir / "table.md").read_text() == md
@@ -297,7 +333,7 @@ def test_tiny_study_runs_resumes_and_tabulates(tmp_path, monkeypatch):
 def test_subprocess_runs_fit_and_test_and_record_failures(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     study = tiny_study(
-        tmp_path / "out", launcher="subprocess", test=True, seeds=[0], inits=["mask"],
+        tmp_path / "out", launcher="local", test=True, seeds=[0], inits=["mask"],
         tasks=[{"name": "broken", "config": "configs/boolean/2parity.yaml",
                 "args": ["--data.init_args.task", "parity"]},
                {"name": "2parity", "config": "configs/boolean/2parity.yaml"}],
@@ -319,3 +355,233 @@ def test_subprocess_runs_fit_and_test_and_record_failures(tmp_path, monkeypatch,
     md = (tmp_path / "out/table.md").read_text()
     assert "## Failed runs" in md and "### broken/mask/seed0 (fit" in md
     assert "| broken | – / – |" in md
+
+
+# --------------------------------------------------------------- dry run, diverged runs in the table
+def test_dry_run_parses_every_fit_command(tmp_path, monkeypatch, capsys):
+    """A misspelled option in a task's args fails the dry run, naming the task and init (not the real run later)."""
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(tiny_study(tmp_path / "out", seeds=[0, 1])))
+    main(["study", "-c", str(path), "--dry_run", "true"])
+    out = capsys.readouterr().out
+    assert "8 runs, valid (4 distinct fit commands parsed)" in out
+    bad = tiny_study(tmp_path / "out", tasks=[{"name": "2parity", "config": "configs/boolean/2parity.yaml",
+                                               "args": ["--trainer.max_epocs", "3"]}])
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["study", "-c", str(path), "--dry_run", "true"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "task 2parity x init default: the fit command does not parse" in err and "max_epocs" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_diverged_runs_are_listed_apart_from_the_means(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    study = load_study(tiny_study(tmp_path / "out", tasks=ONE_TASK))
+    values = {(t.name, i.label, s): {"val/mse": 0.5, "val/acc": 0.75} for t in study.tasks for i in study.inits
+              for s in study.seeds}
+    fake_results(study, values)
+    diverged = study.runs()[1]  # 2parity/mask/seed0
+    result = json.loads(diverged.result_path.read_text())
+    result.update(status="diverged", stage="fit", returncode=3, error="non-finite loss nan at step 17")
+    diverged.result_path.write_text(json.dumps(result))
+    assert write_outputs(study, plots=False) == 0  # a result, not a failure
+    md = (study.out_dir / "table.md").read_text()
+    assert "| 0.5000 (1/2 seeds, 1 diverged) / 75.00 (1/2 seeds, 1 diverged) |" in md
+    assert "## Diverged runs" in md and "- 2parity/mask/seed0: non-finite loss nan at step 17" in md
+    assert "## Failed runs" not in md
+    assert diverged.is_done()  # rerunning would diverge again: not retried
+
+
+# ------------------------------------------------------- the cell: a self-contained command per run
+def test_cell_writes_its_own_result_and_the_table_reads_it(tmp_path, monkeypatch, capsys):
+    """A run executed anywhere (here: the bare cell command) leaves a result.json that --table_only tabulates."""
+    monkeypatch.chdir(ROOT)
+    config = tiny_study(tmp_path / "out", seeds=[0], inits=["mask"],
+                        tasks=ONE_TASK)
+    study = load_study(config)
+    run = study.runs()[0]
+    assert prepare_run(run, threads=1) == "new"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(cell_command(run.dir), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(run.result_path.read_text())
+    assert result["status"] == "ok" and result["key"] == run.key() and 0 <= result["metrics"]["val/acc"] <= 1
+    assert result["cuda_visible_devices"] == "" and result["host"] == socket.gethostname()
+    assert result["started_at"] < result["ended_at"] and result["threads"] == 1
+    assert result["commands"][0].startswith("maskprior fit -c ") and "--ckpt_path" not in result["commands"][0]
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["study", "-c", str(path), "--table_only", "true"])
+    acc = result["metrics"]["val/acc"] * 100
+    assert f"| 2parity | {result['metrics']['val/mse']:.4f} / {acc:.2f} |" in (study.out_dir / "table.md").read_text()
+
+
+def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A run stopped mid-fit (same key, last.ckpt, no result) is resumed with --ckpt_path, not deleted;
+    a run whose key changed is deleted and redone."""
+    monkeypatch.chdir(ROOT)
+    config = tiny_study(tmp_path / "out", seeds=[0], inits=["mask"],
+                        tasks=ONE_TASK)
+    run_study(load_study(config), log=lambda line, **kw: None)
+    run = load_study(config).runs()[0]
+    ckpts = sorted(run.dir.rglob("*.ckpt"))
+    assert ckpts
+    last = ckpts[0].parent / "last.ckpt"
+    if not last.exists():  # every fit keeps last.ckpt (the CLI's contract); copy one where it does not yet
+        shutil.copy(ckpts[0], last)
+    run.result_path.unlink()  # as if the fit was killed: its checkpoint and logs stay, no result
+    (run.dir / "fit.json").unlink()
+    (run.dir / "marker.txt").write_text("kept")
+    lines = []
+    assert run_study(load_study(config), log=lambda line, **kw: lines.append(line)) == 0
+    assert "1 to run (1 resumed from their last checkpoint)" in lines[1]
+    result = json.loads(run.result_path.read_text())
+    assert result["status"] == "ok" and result["resumed_from"] == str(last)
+    assert result["commands"][0].endswith(f"--ckpt_path {last}")
+    assert (run.dir / "marker.txt").exists()
+    # Another key (here: another command in run.json) is not resumed: the directory is redone.
+    run.result_path.unlink()
+    spec = json.loads(run.run_path.read_text())
+    spec["key"]["fit"].append("--trainer.max_epochs=2")
+    run.run_path.write_text(json.dumps(spec))
+    assert prepare_run(run) == "redo" and not (run.dir / "marker.txt").exists()
+
+
+def test_run_still_executing_elsewhere_is_left_alone(tmp_path, monkeypatch):
+    """A cell still running (e.g. one of a just-killed study saving its checkpoint) holds its run's .cell.lock:
+    a new study waits for it, then refuses rather than delete or rerun the directory under it."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(cell_module, "CELL_LOCK_WAIT_SECONDS", 0.3)
+    run = load_study(tiny_study(tmp_path / "out")).runs()[0]
+    run.dir.mkdir(parents=True)
+    holder = hold_lock(run.dir, cell_module.CELL_LOCK)
+    try:
+        with pytest.raises(StudyError, match=f"{run.name}: .* is still being executed by another process"):
+            prepare_run(run)
+        assert (run.dir / ".study.lock.json").exists()  # nothing deleted
+    finally:
+        holder.kill()
+        holder.wait()
+    assert prepare_run(run) == "redo"  # its holder gone, the directory (no run.json) is redone
+
+
+# ------------------------------------------------------------- the local launcher: GPU slots, signals
+FAKE_CELL = """
+import json, os, sys, time
+run_dir = sys.argv[1]
+spec = json.load(open(os.path.join(run_dir, "run.json")))
+start = time.time()
+time.sleep(1.0)
+result = {"key": spec["key"], "status": "ok", "seconds": 1.0, "metrics": {"val/mse": 0.5, "val/acc": 0.5},
+          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "omp": os.environ.get("OMP_NUM_THREADS"),
+          "started_at": start, "ended_at": time.time()}
+json.dump(result, open(os.path.join(run_dir, "result.json"), "w"))
+"""
+
+
+def test_local_launcher_gives_concurrent_runs_disjoint_gpus(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(local_launcher, "_cuda_devices", lambda: ["0", "1", "2"])  # a fake 3-GPU machine
+    monkeypatch.setattr(local_launcher, "cell_command", lambda run_dir: [sys.executable, "-c", FAKE_CELL, str(run_dir)])
+    study = load_study(tiny_study(tmp_path / "out", launcher="local", parallel=2, gpus_per_run=1,
+                                  threads_per_run=1, seeds=[0]))
+    assert run_study(study, log=lambda line, **kw: None) == 0
+    results = [json.loads(r.result_path.read_text()) for r in study.runs()]
+    assert len(results) == 4 and all(r["omp"] == "1" for r in results)
+    assert all(r["cuda_visible_devices"] in ("0", "1", "2") for r in results)  # exactly one device each
+    overlapping = [(a, b) for i, a in enumerate(results) for b in results[i + 1:]
+                   if a["started_at"] < b["ended_at"] and b["started_at"] < a["ended_at"]]
+    assert overlapping  # runs did go two at a time
+    assert all(a["cuda_visible_devices"] != b["cuda_visible_devices"] for a, b in overlapping)
+    assert all(len([r for r in results if r["started_at"] <= a["started_at"] < r["ended_at"]]) <= 2
+               for a in results)  # never more than parallel at once
+
+
+@pytest.mark.parametrize("gpus,devices,expected", [
+    (None, ["0", "1", "2", "3"], ["0", "1", "2", "3"]),  # default with CUDA: one each
+    (2, ["4", "5", "6", "7", "8"], ["4,5", "6,7"]),  # slots of two; the odd device is left over
+    (0, ["0", "1"], [""]),  # CPU runs on a GPU machine see no device
+    (None, [], [None]),  # no CUDA: the environment is left alone
+])
+def test_local_launcher_device_slots(tmp_path, monkeypatch, gpus, devices, expected):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(local_launcher, "_cuda_devices", lambda: devices)
+    launcher = local_launcher.LocalLauncher(load_study(tiny_study(tmp_path, launcher="local", gpus_per_run=gpus,
+                                                                  parallel=8)))
+    slots = launcher.slots or [None]
+    assert [launcher.environment(s).get("CUDA_VISIBLE_DEVICES") for s in slots] == expected
+    assert launcher.concurrency == (len(launcher.slots) if launcher.slots else 8)
+
+
+def test_local_launcher_refuses_more_gpus_than_there_are(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(local_launcher, "_cuda_devices", lambda: ["0"])
+    with pytest.raises(StudyError, match=r"gpus_per_run: each run asks for 2 CUDA device\(s\) but this machine has 1"):
+        run_study(load_study(tiny_study(tmp_path / "out", launcher="local", gpus_per_run=2)))
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_killed_study_leaves_no_live_run(tmp_path):
+    """SIGKILL to the study: its cell and the cell's fit die too (PDEATHSIG), the fit interrupted, not orphaned."""
+    out = tmp_path / "out"
+    config = tiny_study(out, launcher="local", seeds=[0], inits=["mask"],
+                        tasks=[{"name": "2parity", "config": str(CONFIGS / "boolean/2parity.yaml")}],
+                        args=[*TINY, "--trainer.max_epochs", "100000"])
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config))
+    study = subprocess.Popen([sys.executable, "-m", "lightning_maskprior.cli", "study", "-c", str(path)],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            children = _children(study.pid)
+            commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children
+                        if Path(f"/proc/{pid}/cmdline").exists()}
+            if any(b"lightning_maskprior.cli\0fit" in c for c in commands.values()):
+                break
+            assert study.poll() is None, "the study ended before its run started"
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run's fit never started")
+        assert len(children) == 2  # the cell and its fit
+        study.kill()
+        study.wait()
+        deadline = time.time() + 60
+        while any(_alive(pid) for pid in children) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in children if _alive(pid)]
+    finally:
+        if study.poll() is None:
+            study.kill()
+            study.wait()
+    result = json.loads((out / "2parity/mask/seed0/result.json").read_text())  # the cell outlived its fit
+    assert result["status"] == "interrupted"

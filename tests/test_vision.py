@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import os
 import pickle
 from types import SimpleNamespace
 
@@ -208,6 +210,94 @@ def test_imagenet100_local_layouts(tmp_path, layout):
     assert dm.task_spec().seq_len == 4
 
 
+_MEMORY_PROBE = """
+import json, pickle, sys, threading, time
+from itertools import islice
+
+import datasets, pyarrow.dataset, timm.data  # noqa: F401 - imported before the baseline, as the datamodule does
+from lightning_maskprior.datamodules import ImageNet100DataModule
+
+def status(*fields):  # bytes, from /proc/self/status (kB)
+    with open("/proc/self/status") as f:
+        found = dict(line.split(":", 1) for line in f)
+    return [int(found[field].split()[0]) * 1024 for field in fields]
+
+# Peak RSS is VmHWM: getrusage's ru_maxrss would not do, it keeps the high-water mark of the pytest process
+# this one was forked from; writing 5 to clear_refs resets this process's own. RSS also counts the pages of
+# the memory-mapped Arrow file that this process touched: page cache, shared by all processes that map the
+# file (and mapped up to 2 MB at a time where the kernel caches files in large folios). The private memory
+# (RssAnon) is what each DDP rank adds on its own: a thread samples its peak.
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base_rss, base_file, base_anon = status("VmRSS", "RssFile", "RssAnon")
+peak_anon = base_anon
+
+def sample():
+    global peak_anon
+    while True:
+        peak_anon = max(peak_anon, status("RssAnon")[0])
+        time.sleep(0.002)
+
+threading.Thread(target=sample, daemon=True).start()
+# auto_augment=None: timm's RandAugment posterize can ask Pillow 13 for 0 bits (ValueError), not our subject here.
+dm = ImageNet100DataModule(root=sys.argv[1], num_classes=4, img_size=32, patch_size=16, batch_size=16,
+                           eval_batch_size=16, auto_augment=None)
+# What every DDP rank does once local rank 0 has made the Arrow copy (prepare_data): open it, read
+# batches, pickle the dataset (as for DataLoader workers).
+dm.setup("fit")
+shapes = [list(b["inputs"].shape) for b in islice(dm.train_dataloader(), 6)]
+shapes += [list(b["inputs"].shape) for b in islice(dm.val_dataloader(), 2)]
+clone = pickle.loads(pickle.dumps(dm.train_set))
+rss, file, anon = status("VmHWM", "RssFile", "RssAnon")
+print(json.dumps(dict(
+    peak_rss=rss - base_rss, file=file - base_file, peak_private=max(peak_anon, anon) - base_anon, shapes=shapes,
+    sizes=[len(dm.train_set), len(dm.eval_set)], pickled=len(pickle.dumps(dm.train_set)),
+    same=bool(clone[3]["target"] == dm.train_set[3]["target"]),
+    cache=[f["filename"] for f in dm.train_set.images.items.dataset.cache_files])))
+"""
+
+
+def test_imagenet100_parquet_is_memory_mapped(tmp_path):
+    """Parquet images stay in a memory-mapped Arrow file, not in each process: reading batches grows a
+    process's private memory by far less than the images' size (the former reader, which kept every
+    encoded image in a list, grew it by more than the images' size), and the dataset pickles small."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    padding = np.random.default_rng(1).bytes(256 * 1024)  # incompressible: parquet cannot shrink it
+    (tmp_path / "data").mkdir()
+    for split, n in (("train", 256), ("validation", 64)):
+        images = [{"bytes": png_bytes(i) + padding[i:] + padding[:i], "path": f"{i}.png"} for i in range(n)]
+        pq.write_table(pa.table({"image": images, "label": [i % 4 for i in range(n)]}),
+                       tmp_path / "data" / f"{split}-00000-of-00001.parquet", row_group_size=32)
+    size = sum(f.stat().st_size for f in (tmp_path / "data").iterdir())
+    assert size > 80 * 2**20
+    dm = ImageNet100DataModule(root=str(tmp_path), num_classes=4, img_size=32, patch_size=16)
+    dm.prepare_data()  # what local rank 0 does: the parquet -> Arrow copy, into tmp_path / "arrow_cache"
+    copies = sorted(map(str, tmp_path.glob("arrow_cache/**/*.arrow")))
+    assert len(copies) == 2
+    # A fresh interpreter, offline, with Hugging Face's default cache (~/.cache/huggingface) moved to where
+    # we can watch it.
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("HF_DATASETS_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    opened = json.loads(out.stdout.strip().splitlines()[-1])
+    assert opened["sizes"] == [256, 64] and opened["same"]
+    assert opened["shapes"] == [[16, 3, 32, 32]] * 8
+    memory = {k: f"{v / 2**20:.0f} MiB" for k, v in opened.items() if k in ("peak_rss", "file", "peak_private")}
+    assert opened["peak_private"] < 0.3 * size, f"{memory} for {size / 2**20:.0f} MiB of images"
+    assert opened["pickled"] < 100_000
+    # setup opened the copy prepare_data made next to the data; nothing went to Hugging Face's default cache.
+    assert opened["cache"][0] in copies and sorted(map(str, tmp_path.glob("arrow_cache/**/*.arrow"))) == copies
+    assert not (tmp_path / "hf_home").exists()
+
+
 def test_imagenet100_missing_and_corrupt_files(tmp_path):
     with pytest.raises(DatasetFilesError, match="missing_root does not exist.*ImageFolder.*parquet"):
         ImageNet100DataModule(root=str(tmp_path / "missing_root"), img_size=32, patch_size=16,
@@ -248,3 +338,29 @@ def test_digits_cli_fit(tmp_path):
 
     scalars = read_scalars(next(tmp_path.rglob("version_0")))
     assert {"val/top1", "val/top5", "val/loss", "persistence/score"} <= set(scalars)
+
+
+def test_randaugment_zero_bit_posterize_is_black_as_before_pillow_13(tmp_path):
+    """The paper's ``rand-m9-mstd0.5-inc1``: when the m9 +- 0.5 magnitude noise reaches 10, timm's
+    PosterizeIncreasing keeps ``4 - int(10 / 10 * 4) = 0`` bits. Pillow < 13 turned that into a black image;
+    Pillow 13 raises ValueError, which killed training at a random batch. The datamodule keeps the old result."""
+    from PIL import ImageOps
+    from timm.data.auto_augment import RandAugment
+
+    dm = CIFARDataModule(root=str(tmp_path), img_size=32, patch_size=8, batch_size=4)
+    assert dm.auto_augment == "rand-m9-mstd0.5-inc1"
+    transform = dm.transform(train=True)
+    (rand_augment,) = [t for t in transform.transforms if isinstance(t, RandAugment)]
+    (op,) = [op for op in rand_augment.ops if op.name == "PosterizeIncreasing"]
+    op.prob, op.magnitude_std = 1.0, 0.0  # apply it, at exactly the magnitude asked for
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8))
+
+    op.magnitude = 10  # what the mstd noise clips to: 0 bits
+    assert op.level_fn(op.magnitude, op.hparams) == (0,)
+    assert not np.asarray(op(image)).any()
+    op.magnitude = 9  # 1 bit: Pillow's own posterize, unchanged
+    assert np.array_equal(np.asarray(op(image)), np.asarray(ImageOps.posterize(image, 1)))
+
+    # The whole training transform survives it (RandAugment reduced to this op at magnitude 10).
+    op.magnitude, rand_augment.ops, rand_augment.num_layers = 10, [op], 1
+    assert transform(image).shape == (3, 32, 32)

@@ -1,0 +1,298 @@
+"""Checks of what a run is given (config files, checkpoints), made before anything trains.
+
+Each error names the file or option, the bad value and what was expected. Files are read safely:
+checkpoints with ``torch.load(weights_only=True)``, YAML with ``yaml.safe_load``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import shutil
+import sys
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+# ckpt_path values Lightning resolves itself (not files).
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
+
+
+# ---------------------------------------------------------------------------------- config files
+def check_argv(argv: list[str]) -> None:
+    """Exit 2 with a message naming the file if a ``-c`` file is not valid YAML or the ``ckpt_path`` is unreadable.
+
+    jsonargparse reports a YAML syntax error without naming the file (``in "<unicode string>"``), and
+    LightningCLI loads ``ckpt_path`` before any hook runs, failing with torch's raw error.
+    """
+    try:
+        _check_argv(argv)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _check_argv(argv: list[str]) -> None:
+    what = "study file" if argv[:1] == ["study"] else "config"
+    ckpt_path = weights_only = None
+    for option, value in _options_in(argv):
+        if option in ("-c", "--config"):
+            content = check_yaml_file(value, what) or {}
+            if "ckpt_path" in content:
+                ckpt_path = None if content["ckpt_path"] is None else str(content["ckpt_path"])
+            weights_only = content.get("weights_only", weights_only)
+        elif option == "--ckpt_path":
+            ckpt_path = None if value in ("null", "None") else value
+        elif option == "--weights_only":
+            weights_only = {"true": True, "false": False}.get(value.lower())
+    if argv[:1] != ["study"]:
+        # LightningCLI reads the checkpoint's hyperparameters right after parsing, before any hook of ours.
+        check_ckpt_path(ckpt_path, None, weights_only)
+
+
+def _options_in(argv: list[str]) -> Iterator[tuple[str, str]]:
+    for index, arg in enumerate(argv):
+        option, equals, value = arg.partition("=")
+        if option in ("-c", "--config", "--ckpt_path", "--weights_only"):
+            if equals:
+                yield option, value
+            elif index + 1 < len(argv):
+                yield option, argv[index + 1]
+
+
+def check_yaml_file(path: str | Path, what: str = "config") -> Any:
+    """The content of YAML file ``path``; a ValueError naming the file, line and problem if it does not parse.
+
+    A missing file is left to the parser, which names it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {err.start}): expected a YAML file") from None
+    try:
+        content = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = err.problem or err.context or "cannot parse"
+        if err.context and err.problem:  # e.g. "while parsing a flow sequence" that a missing ']' left open
+            start = err.context_mark
+            since = f" that starts at line {start.line + 1}, column {start.column + 1}" if start is not None else ""
+            problem += f" ({err.context}{since})"
+        raise ValueError(f"{what} {path}: YAML syntax error{where}: {problem}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"{what} {path}: YAML syntax error: {err}") from None
+    if content is not None and not isinstance(content, dict):
+        raise ValueError(
+            f"{what} {path} holds a YAML {type(content).__name__}; expected a mapping of options (key: value)"
+        )
+    return content
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that was trained with another model than the config builds."""
+
+
+def check_ckpt_path(
+    ckpt_path: str | Path | None, model: nn.Module | None = None, weights_only: bool | None = None
+) -> None:
+    """Fail before any training if ``ckpt_path`` is unreadable or does not fit ``model``.
+
+    ``last``, ``best``, ``hpc`` and ``registry`` paths are Lightning's to resolve. With ``weights_only``
+    false (the user's explicit choice to trust the file) nothing is unpickled here: only the zip structure
+    is checked; the shapes are then compared in ``MaskPriorModule.on_load_checkpoint``.
+    """
+    if ckpt_path is None or str(ckpt_path) in SPECIAL_CKPT_PATHS or str(ckpt_path).startswith("registry"):
+        return
+    if weights_only is False:
+        _check_checkpoint_file(Path(ckpt_path))
+        return
+    checkpoint = read_checkpoint(ckpt_path)
+    if model is not None:
+        check_checkpoint_fits(checkpoint, model, ckpt_path)
+
+
+def check_subcommand(config: Mapping[str, Any], model: nn.Module | None) -> None:
+    """The checks of a ``fit`` / ``validate`` / ``test`` config made once the model exists (its ``ckpt_path``)."""
+    check_ckpt_path(config.get("ckpt_path"), model, config.get("weights_only"))
+
+
+def _not_readable(path: Path, reason: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is not a readable PyTorch checkpoint (truncated or not a checkpoint): {reason}"
+    )
+
+
+def _check_checkpoint_file(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path {path} does not exist; expected a .ckpt file written by a fit")
+    if path.is_dir():
+        raise CheckpointError(f"ckpt_path {path} is a directory; expected a .ckpt file (e.g. {path}/last.ckpt)")
+    if path.stat().st_size == 0:
+        raise _not_readable(path, "the file is empty")
+    if not zipfile.is_zipfile(path):
+        raise _not_readable(path, "it is not a complete zip archive, which torch.save writes")
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A Lightning checkpoint loaded safely (tensors and plain values only), or an error naming the file."""
+    path = Path(path)
+    _check_checkpoint_file(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # noqa: BLE001 - the list is only for the message
+            unsafe = []
+        if unsafe:
+            raise CheckpointError(
+                f"checkpoint {path} holds Python objects a safe load refuses ({', '.join(unsafe[:4])}); "
+                "expected tensors and plain values only, as maskprior's checkpoints hold. Do not load a file "
+                "you did not write yourself."
+            ) from None
+        raise _not_readable(path, "its pickled content is corrupt") from None
+    except Exception as err:  # noqa: BLE001 - any reader error: say which file
+        raise _not_readable(path, _short_reason(err)) from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        held = f"a {type(checkpoint).__name__}"
+        if isinstance(checkpoint, dict):
+            held = f"a dict with keys {sorted(map(str, checkpoint))[:6]}"
+        raise CheckpointError(
+            f"checkpoint {path} holds {held}; expected a Lightning checkpoint (a dict with a 'state_dict')"
+        )
+    return checkpoint
+
+
+def _short_reason(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    first = lines[0] if lines else ""
+    if not first or "weights_only" in first:  # never pass on torch's advice to load unsafely
+        return type(err).__name__
+    return first[:200]
+
+
+# The options of our backbones, read from parameter shapes (TokenTransformer, GPT, timm's ViT under ``model.``).
+_OPTIONS: list[tuple[str, str, Any]] = [
+    ("dim", r"(^|\.)blocks\.0\.norm1\.weight$", lambda s: s[0]),
+    ("sequence length", r"(^|\.)pos_embed(ding)?$", lambda s: s[1] if len(s) == 3 else s[0]),
+    ("attention width", r"(^|\.)blocks\.0\.attn\.qkv\.weight$", lambda s: f"{s[0] // 3} (num_heads x head_dim)"),
+    ("prior shape", r"(^|\.)blocks\.0\.attn\.prior_logits$", tuple),
+    ("mlp width", r"(^|\.)blocks\.0\.mlp\.(0|fc1)\.weight$", lambda s: s[0]),
+    ("vocabulary size", r"(^|\.)token_embedding\.weight$", lambda s: s[0]),
+    ("outputs", r"(^|\.)head\.weight$", lambda s: s[0]),
+]
+
+
+def _options(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    blocks = {m.group(2) for key in shapes if (m := re.search(r"(^|\.)blocks\.(\d+)\.", key))}
+    if blocks:
+        found["depth"] = len(blocks)
+    for name, pattern, read in _OPTIONS:
+        key = next((k for k in sorted(shapes) if re.search(pattern, k)), None)
+        if key is not None and shapes[key]:
+            found[name] = read(shapes[key])
+    return found
+
+
+def checkpoint_mismatch(checkpoint: Mapping[str, Any], model: nn.Module, strict: bool = True) -> str | None:
+    """What differs between the model a checkpoint was trained with and ``model``, or None if it fits."""
+    state = checkpoint.get("state_dict") or {}
+    saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    differ = sorted(k for k in saved.keys() & ours.keys() if saved[k] != ours[k])
+    missing = sorted(ours.keys() - saved.keys()) if strict else []
+    unexpected = sorted(saved.keys() - ours.keys()) if strict else []
+    if not (differ or missing or unexpected):
+        return None
+    parts = []
+    then, now = _options(saved), _options(ours)
+    options = [name for name in then if name in now and then[name] != now[name]]
+    if options:
+        parts.append(
+            f"was trained with {_join(f'{n} {then[n]}' for n in options)}, the config asks for "
+            f"{_join(f'{n} {now[n]}' for n in options)}"
+        )
+    elif differ:
+        shown = "; ".join(f"{k} is {saved[k]} in the checkpoint, {ours[k]} in the model" for k in differ[:3])
+        parts.append(f"does not fit the model the config builds: {shown}")
+    init_then = (checkpoint.get("hyper_parameters") or {}).get("init")
+    init_now = getattr(model, "hparams", {}).get("init")
+    priors_differ = any(k.endswith("prior_logits") for k in missing + unexpected)
+    if priors_differ and init_then is not None and init_then != init_now:
+        has = "has" if any(k.endswith("prior_logits") for k in unexpected) else "has no"
+        parts.append(f"{has} a prior (trained with init {init_then!r}), the config asks for init {init_now!r}")
+    elif not options and (missing or unexpected):
+        if missing:
+            parts.append(f"lacks parameters the model has: {missing[:3]}")
+        if unexpected:
+            parts.append(f"has parameters the model does not: {unexpected[:3]}")
+    return "; ".join(parts)
+
+
+def _join(items: Iterator[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def check_checkpoint_fits(checkpoint: Mapping[str, Any], model: nn.Module, path: str | Path | None = None) -> None:
+    """Raise a CheckpointError saying, in the config's terms, why ``checkpoint`` does not fit ``model``."""
+    problem = checkpoint_mismatch(checkpoint, model, strict=getattr(model, "strict_loading", True))
+    if problem is not None:
+        name = f"checkpoint {path}" if path is not None else "the checkpoint"
+        raise CheckpointError(f"{name} {problem}")
+
+
+# ------------------------------------------------------------------------------- run directories
+_RUN_FILES = ("config.yaml", "hparams.yaml", "tokenizer.json")
+
+
+def remove_empty_run_dir(log_dir: str | Path | None) -> bool:
+    """Remove a run (``version_N``) directory a failed run left with nothing in it; True if removed.
+
+    Nothing means: only ``config.yaml``, ``hparams.yaml``, ``tokenizer.json``, event files without a logged
+    value (hyperparameters only) and empty folders (``checkpoints/``). Anything else (a scalar, an image, a
+    checkpoint, a file of the user's) keeps it.
+    """
+    if log_dir is None:
+        return False
+    log_dir = Path(log_dir)
+    if not log_dir.is_dir():
+        return False
+    for path in log_dir.rglob("*"):
+        if path.is_dir():
+            continue
+        if path.parent == log_dir and path.name in _RUN_FILES:
+            continue
+        if path.name.startswith("events.out.tfevents.") and not _has_logged_values(path):
+            continue
+        return False
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return True
+
+
+def _has_logged_values(path: Path) -> bool:
+    """Whether an event file holds a logged value (a scalar, an image...): anything but hyperparameters."""
+    if path.stat().st_size == 0:
+        return False
+    try:
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                # Lightning's TensorBoardLogger logs hp_metric = -1 with the hyperparameters of every run.
+                if value.metadata.plugin_data.plugin_name != "hparams" and value.tag != "hp_metric":
+                    return True
+    except Exception:  # noqa: BLE001 - unreadable: keep the directory
+        return True
+    return False

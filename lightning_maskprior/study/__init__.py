@@ -1,0 +1,38 @@
+"""``maskprior study``: a grid of tasks x init methods x seeds (see ``cli.py`` for the command).
+
+    spec.py       the study file: entries, validation, the runs (Study, TaskEntry, InitEntry, Metric, Run)
+    cell.py       one run as one self-contained command that writes its own result.json
+    launchers/    what executes the cells: local processes, in-process, SLURM (submitit), Ray
+    lock.py       one study at a time per output directory
+    report.py     table.md / table.csv / results.csv and plots, from the runs' result.json files
+    cli.py        the command: parse, validate, lock, launch, report
+
+The names below are imported when first used, so ``python -m lightning_maskprior.study.cell`` (run once per
+run, anywhere) loads only what the cell needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Interrupted": "cli", "build_parser": "cli", "main": "cli", "run_study": "cli",
+    "LOCK_NAME": "lock", "OWNER_NAME": "lock", "study_lock": "lock",
+    "collect": "report", "table_rows": "report", "write_outputs": "report", "write_plots": "report",
+    "InitEntry": "spec", "Metric": "spec", "Run": "spec", "Study": "spec", "StudyError": "spec",
+    "TaskEntry": "spec", "check_commands": "spec", "load_study": "spec",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

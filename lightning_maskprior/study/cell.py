@@ -1,0 +1,282 @@
+"""One run of a study as one self-contained command: ``python -m lightning_maskprior.study.cell <run_dir>``.
+
+The study writes ``<run_dir>/run.json`` (the fit arguments, whether to test, the run's key, the threads).
+The cell fits (resuming from ``lightning_logs/version_*/checkpoints/last.ckpt`` when the directory holds
+one), tests the final checkpoint, and writes ``<run_dir>/result.json`` atomically, wherever it runs (a local
+process, a SLURM job, a Ray task), so ``maskprior study --table_only true`` builds the table from it.
+Fit and test run as child processes that get the cell's SIGTERM / SIGINT (they save ``last.ckpt``) and
+die with it. The cell's exit code is the run's (lightning_maskprior.run_status): 0 ok, 3 diverged,
+143 / 130 interrupted, anything else failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_maskprior.run_status import status_from_returncode
+from lightning_maskprior.study.launchers import die_with_parent, write_json
+
+if TYPE_CHECKING:
+    from lightning_maskprior.study.spec import Run
+
+STDERR_TAIL_LINES = 25
+FIT_FILE = "fit.json"  # written when the fit has finished: a cell stopped during the test only tests again
+CELL_LOCK = ".cell.lock"  # held by the cell executing a run, so nothing deletes or reruns it meanwhile
+CELL_LOCK_WAIT_SECONDS = 120  # a cell of a study that was just stopped may still be saving its last.ckpt
+
+
+@contextlib.contextmanager
+def cell_lock(run_dir: Path, wait: float | None = None):
+    """Hold ``<run_dir>/.cell.lock``, waiting up to ``wait`` seconds (default CELL_LOCK_WAIT_SECONDS) for a cell
+    still executing the run (one of a stopped study, or an old job of a requeued one); RuntimeError if it does
+    not end."""
+    from filelock import FileLock, Timeout
+
+    wait = CELL_LOCK_WAIT_SECONDS if wait is None else wait
+    lock = FileLock(Path(run_dir) / CELL_LOCK, timeout=wait)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RuntimeError(f"{run_dir} is still being executed by another process after {wait:.0f} s "
+                           f"(it holds {Path(run_dir) / CELL_LOCK}); stop it first") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def resume_checkpoint(run_dir: Path) -> Path | None:
+    """The ``last.ckpt`` an interrupted fit left in ``run_dir`` (the newest, if several), or None."""
+    ckpts = Path(run_dir).glob("lightning_logs/version_*/checkpoints/last.ckpt")
+    ckpts = sorted(ckpts, key=lambda p: p.stat().st_mtime)
+    return ckpts[-1] if ckpts else None
+
+
+def prepare_run(run: Run, threads: int | None = None) -> str:
+    """Make ``run.dir`` ready for its cell and write its ``run.json``; say what was there.
+
+    Returns ``"new"``; ``"resume"``: an interrupted run of the same key (same command and config contents)
+    whose checkpoint is kept, the cell continues it; or ``"redo"``: the directory was deleted (another key,
+    a failed run retried, a run killed before its first checkpoint, or no run.json: an older layout).
+    """
+    key = run.key()
+    state = "new"
+    if run.dir.exists():
+        try:
+            with cell_lock(run.dir):  # a cell still saving its checkpoint finishes first
+                previous, result = _read_json(run.run_path), run.load_result()
+                unfinished = result is None or (result.get("key") == key and result.get("status") == "interrupted")
+                resumable = resume_checkpoint(run.dir) is not None or (run.dir / FIT_FILE).is_file()
+                if previous is not None and previous.get("key") == key and unfinished and resumable:
+                    state = "resume"
+                else:
+                    shutil.rmtree(run.dir)
+                    state = "redo"
+        except RuntimeError as err:
+            from lightning_maskprior.study.spec import StudyError
+
+            raise StudyError(f"{run.name}: {err}") from None
+    run.dir.mkdir(parents=True, exist_ok=True)
+    write_json(run.run_path, {"name": run.name, "task": run.task.name, "init": run.init.label,
+                              "init_method": run.init.name, "seed": run.seed, "key": key, "fit": run.fit_args(),
+                              "test": run.study.test, "threads": threads})
+    return state
+
+
+def _fit_dir(run_dir: Path) -> Path | None:
+    """The fit's log directory: the newest version_* under lightning_logs with a config.yaml."""
+    dirs = [p.parent for p in run_dir.glob("lightning_logs/version_*/config.yaml")]
+    return max(dirs, key=lambda p: p.stat().st_mtime) if dirs else None
+
+
+def _final_checkpoint(log_dir: Path) -> Path | None:
+    ckpts = sorted(log_dir.rglob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    last = [p for p in ckpts if p.name == "last.ckpt"]
+    return (last or ckpts or [None])[-1]
+
+
+def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a text file ("" if it cannot be read)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+class _Children:
+    """The cell's live child (fit or test) and the signal that asked the cell to stop, if any."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.signal: int | None = None
+
+    def forward(self, signum: int, frame: Any = None) -> None:
+        """Signal handler: remember the signal and pass it on to the child (it saves last.ckpt and exits).
+        SIGINT stays SIGINT (exit 130); anything else (SIGTERM, SIGHUP) becomes SIGTERM (exit 143)."""
+        signum = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
+        self.signal = signum
+        with contextlib.suppress(Exception):
+            if self.process is not None and self.process.poll() is None:
+                self.process.send_signal(signum)
+
+
+def _run_child(args: list[str], stem: Path, threads: int | None, children: _Children | None, append: bool) -> int:
+    """``maskprior <args>`` as a child process (or in this process when ``children`` is None); its stdout and
+    stderr go to ``<stem>.out`` / ``<stem>.err``. Returns the exit code."""
+    mode = "a" if append else "w"
+    with open(stem.with_suffix(".out"), mode) as out, open(stem.with_suffix(".err"), mode) as err:
+        if children is None:
+            return _run_in_process(args, out, err)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        if children.signal is not None:  # asked to stop before this stage started
+            return 128 + children.signal
+        process = subprocess.Popen([sys.executable, "-m", "lightning_maskprior.cli", *args], stdout=out,
+                                   stderr=err, env=env, preexec_fn=die_with_parent(), start_new_session=True)
+        children.process = process
+        if children.signal is not None:  # a signal came between the check above and Popen
+            children.forward(children.signal)
+        try:
+            return process.wait()
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            children.process = None
+
+
+def _run_in_process(args: list[str], out, err) -> int:
+    from lightning_maskprior.cli import main
+
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as exit_info:
+            code = exit_info.code
+            return code if isinstance(code, int) else (0 if code is None else 1)
+        except Exception:
+            traceback.print_exc(file=err)
+            return 1
+    return 0
+
+
+def _unless_signalled(rc: int, children: _Children | None) -> int:
+    """A stage that exited 0 after the cell was asked to stop may have been cut short: count it interrupted."""
+    if rc == 0 and children is not None and children.signal is not None:
+        return 128 + children.signal
+    return rc
+
+
+def run_cell(run_dir: Path, in_process: bool = False, children: _Children | None = None) -> dict:
+    """Execute the run prepared in ``run_dir`` (fit or resume, then test); write and return its result.
+
+    ``in_process``: call the CLI in this process (the inprocess launcher; no signals are forwarded).
+    """
+    run_dir = Path(run_dir).resolve()
+    with cell_lock(run_dir):
+        return _run_cell(run_dir, in_process, children)
+
+
+def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> dict:
+    spec = _read_json(run_dir / "run.json")
+    if spec is None:
+        raise FileNotFoundError(f"{run_dir / 'run.json'} is missing or unreadable; the study writes it before "
+                                "launching the cell")
+    children = None if in_process else (children or _Children())
+    start = time.time()
+    previous = _read_json(run_dir / "result.json")
+    earlier = previous if previous and previous.get("key") == spec["key"] and \
+        previous.get("status") == "interrupted" else {}
+    result: dict[str, Any] = {
+        "task": spec["task"], "init": spec["init"], "init_method": spec["init_method"], "seed": spec["seed"],
+        "key": spec["key"], "commands": [], "host": socket.gethostname(), "pid": os.getpid(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "threads": spec.get("threads"),
+        "started_at": start, "attempts": earlier.get("attempts", 1) + 1 if earlier else 1,
+    }
+    from lightning_maskprior.study.spec import format_command
+
+    fit_record = _read_json(run_dir / FIT_FILE)
+    if fit_record is not None and fit_record.get("key") == spec["key"]:  # fitted before; the test was stopped
+        rc, stage, fit_dir = 0, "fit", Path(fit_record["log_dir"])
+        result["commands"].append(fit_record["command"])
+    else:
+        fit_args = list(spec["fit"])
+        ckpt = resume_checkpoint(run_dir)
+        if ckpt is not None:
+            fit_args += ["--ckpt_path", str(ckpt)]
+            result["resumed_from"] = str(ckpt)
+        result["commands"].append(format_command(fit_args))
+        rc = _run_child(fit_args, run_dir / "fit", spec.get("threads"), children, append=ckpt is not None)
+        stage, fit_dir = "fit", (ckpt.parent.parent if ckpt is not None else _fit_dir(run_dir))
+        rc = _unless_signalled(rc, children)
+        if rc == 0 and fit_dir is not None:  # only a fit that ran to its end is not redone
+            write_json(run_dir / FIT_FILE, {"key": spec["key"], "log_dir": str(fit_dir),
+                                            "command": result["commands"][-1]})
+    error = tail(run_dir / "fit.err") if rc != 0 else ""
+    if rc == 0 and spec.get("test", True):
+        stage = "test"
+        ckpt = _final_checkpoint(fit_dir) if fit_dir is not None else None
+        if ckpt is None:
+            rc, error = 1, f"no checkpoint found under {run_dir} to test"
+        else:
+            test_args = ["test", "-c", str(fit_dir / "config.yaml"), "--ckpt_path", str(ckpt),
+                         "--trainer.default_root_dir", str(run_dir)]
+            result["commands"].append(format_command(test_args))
+            rc = _run_child(test_args, run_dir / "test", spec.get("threads"), children, append=False)
+            rc = _unless_signalled(rc, children)
+            error = tail(run_dir / "test.err") if rc != 0 else ""
+    status = status_from_returncode(rc)
+    end = time.time()
+    result.update(status=status, stage=stage, returncode=rc, ended_at=end,
+                  seconds=round(earlier.get("seconds", 0.0) + end - start, 1))
+    if status in ("ok", "diverged"):
+        from lightning_maskprior.tensorboard import last_scalars
+
+        result["metrics"] = last_scalars(run_dir)
+    else:
+        result["metrics"] = {}
+    if status != "ok":
+        result["error"] = error or f"exit code {rc}"
+    write_json(run_dir / "result.json", result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_maskprior.study.cell <run_dir>``: run the cell, exit with the run's exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) != 1:
+        print("usage: python -m lightning_maskprior.study.cell <run_dir>  (a directory holding run.json)",
+              file=sys.stderr)
+        return 2
+    children = _Children()
+    for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, children.forward)
+    result = run_cell(Path(argv[0]), children=children)
+    return int(result["returncode"]) if 0 <= int(result["returncode"]) < 256 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""Bad inputs fail before any training, with a message that names the option or file, the bad value and
+what was expected; never with a suggestion to load a file unsafely (``weights_only=False``)."""
+
+from __future__ import annotations
+
+import datetime
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import CONFIGS
+from lightning_maskprior import checks
+from lightning_maskprior.checks import CheckpointError
+from lightning_maskprior.cli import main
+from lightning_maskprior.datamodules import (
+    ArithmeticDataModule,
+    BooleanGOTUDataModule,
+    CIFARDataModule,
+    DigitsDataModule,
+    TinyStoriesDataModule,
+    WikiText2DataModule,
+)
+from lightning_maskprior.models import TokenTransformer
+from lightning_maskprior.module import MaskPriorModule
+
+BOOLEAN = str(CONFIGS / "boolean/2parity.yaml")
+MASK = str(CONFIGS / "init/mask.yaml")
+# "@name" in an argument is replaced by the path of file ``name`` made by the ``files`` fixture; "@runs" is the
+# test's own run directory, which must stay empty: every case fails before a run directory is made.
+TINY = [
+    "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
+    "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
+    "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
+    "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1", "--trainer.callbacks", "null",
+    "--trainer.enable_model_summary", "false", "--trainer.enable_progress_bar", "false",
+    "--trainer.default_root_dir", "@runs",
+]  # fmt: skip
+
+
+def fit(*extra: str) -> list[str]:
+    return ["fit", "-c", BOOLEAN, *TINY, *extra]
+
+
+def fit_mask(*extra: str) -> list[str]:
+    return ["fit", "-c", BOOLEAN, "-c", MASK, *TINY, *extra]
+
+
+def own_task(target: str, seen: str, *extra: str) -> list[str]:
+    return fit("--data.init_args.target", target, "--data.init_args.seen", seen, *extra)
+
+
+def structure(spec: str) -> list[str]:
+    return fit_mask("--model.structure", spec)
+
+
+def study(name: str) -> list[str]:
+    return ["study", "-c", f"@{name}", "--dry_run", "true"]
+
+
+def tiny_module(init: str = "mask", **backbone) -> MaskPriorModule:
+    task = BooleanGOTUDataModule("2parity", n=6).task_spec()
+    options = {"dim": 16, "depth": 2, "head_dim": 8, "mlp_dim": 32, **backbone}
+    return MaskPriorModule(lambda t: TokenTransformer(t, **options), init=init, task=task)
+
+
+def wikitext(folder: str, tokenizer: str | None = None):
+    def build(f):
+        path = None if tokenizer is None else f[tokenizer]
+        return WikiText2DataModule(data_dir=f[folder], cache_dir=f["cache"], vocab_size=300, tokenizer=path).task_spec()
+
+    return build
+
+
+def tinystories(folder: str):
+    return lambda f: TinyStoriesDataModule(data_dir=f[folder], cache_dir=f["cache"], vocab_size=300).task_spec()
+
+
+EXPECTED_STRUCTURE = r"expected a Boolean \(0/1\) tensor of shape \(N, N\)"
+NOT_READABLE = r"is not a readable PyTorch checkpoint \(truncated or not a checkpoint\)"
+
+# (case id, argv of `maskprior` or a call taking the files, exit code or exception type, regex the message matches)
+CASES = [
+    # ------------------------------------------------------------------------- model options (CLI)
+    ("warmup_steps negative", fit("--model.warmup_steps", "-5"), ValueError,
+     r"warmup_steps must be a whole number of steps >= 0, got -5"),
+    ("prior_weight_decay negative", fit("--model.prior_weight_decay", "-0.1"), ValueError,
+     r"prior_weight_decay must be a finite number >= 0 .*got -0.1"),
+    ("prior_weight_decay nan", fit("--model.prior_weight_decay", "nan"), 2,
+     r"model.prior_weight_decay.*Expected a <class 'float'>. Got value: nan"),
+    ("init option not a number", fit_mask("--model.init_options", "{open_value: abc}"), ValueError,
+     r"init method 'mask': init_options.open_value must be a number, got 'abc' \(str\)"),
+    ("init option bool for a number", fit_mask("--model.init_options", "{scale: true}"), ValueError,
+     r"init method 'mask': init_options.scale must be a number, got True \(bool\)"),
+    ("init option infinite", fit_mask("--model.init_options", "{open_value: .inf}"), ValueError,
+     r"init method 'mask': init_options.open_value must be a finite number, got inf"),
+    ("init option float for an integer", fit("--model.init", "qk_opt", "--model.init_options", "{steps: 1.5}"),
+     ValueError, r"init method 'qk_opt': init_options.steps must be an integer, got 1.5 \(float\)"),
+    ("init option unknown", fit_mask("--model.init_options", "{opn_value: 1}"), ValueError,
+     r"init method 'mask' got unknown options \['opn_value'\]; it accepts \['closed_value', 'open_value', 'scale'\]"),
+    ("init method unknown", fit("--model.init", "maks"), ValueError,
+     r"unknown init method 'maks'; expected one of \[.*'mask'"),
+    ("open value below closed value", fit_mask("--model.init_options", "{open_value: -1, closed_value: 1}"),
+     ValueError, r"open value \(-1\) must be greater than closed value \(1\)"),
+    ("lr_schedule unknown", fit("--model.lr_schedule", "linear"), 2,
+     r"model.lr_schedule.*Expected a typing.Literal\['constant', 'cosine'\]. Got value: linear"),
+    ("option unknown", fit("--model.learning_rate", "5"), 2, r"unrecognized arguments: --model.learning_rate 5"),
+    # -------------------------------------------------------------------------- data options (CLI)
+    ("max_train_points negative", fit("--data.init_args.max_train_points", "-1"), ValueError,
+     r"max_train_points must be a positive number of training points, or null for every seen point, got -1"),
+    ("max_train_points zero", fit("--data.init_args.max_train_points", "0"), ValueError,
+     r"max_train_points must be a positive number .*got 0"),
+    ("Boolean task unknown", fit("--data.init_args.task", "2parrity"), ValueError,
+     r"unknown Boolean task '2parrity'; expected one of \['2parity', 'cyclic3', 'majority3', 'threesym'\]"),
+    ("n zero", fit("--data.init_args.n", "0"), ValueError, r"n=0 bits is outside 1..20"),
+    ("n too large", fit("--data.init_args.n", "21"), ValueError, r"n=21 bits is outside 1..20"),
+    ("cyclic3 n too small", fit("--data.init_args.task", "cyclic3", "--data.init_args.n", "2"), ValueError,
+     r"cyclic3 needs n >= 3, got n=2"),
+    ("batch_size zero", fit("--data.init_args.batch_size", "0"), ValueError, r"batch sizes must be positive, got 0"),
+    ("seed not a number", fit("--data.init_args.seed", "abc"), 2, r"Expected a <class 'int'>. Got value: abc"),
+    # ---------------------------------------------------------------------------------- YAML files
+    ("config YAML syntax error", ["fit", "-c", BOOLEAN, "-c", "@syntax.yaml", *TINY], 2,
+     r"error: config \S*syntax.yaml: YAML syntax error at line 3, column 4: expected ',' or '\]', but got ':' "
+     r"\(while parsing a flow sequence that starts at line 2, column 9\)"),
+    ("config not a mapping", ["fit", "-c", "@list.yaml", *TINY], 2,
+     r"config \S*list.yaml holds a YAML list; expected a mapping of options \(key: value\)"),
+    ("config not UTF-8", ["fit", "--config=@binary.yaml", *TINY], 2, r"config \S*binary.yaml is not UTF-8 text"),
+    ("config missing", ["fit", "-c", "@missing.yaml", *TINY], 2, r"File does not exist: '\S*missing.yaml'"),
+    ("config key unknown", ["fit", "-c", BOOLEAN, "-c", "@unknown_key.yaml", *TINY], 2,
+     r"Subcommand 'fit' does not accept option 'model.warmup'"),
+    # ------------------------------------------------------------------------------ a task of your own
+    ("own task without seen", fit("--data.init_args.target", "{x0: 1.0}"), ValueError,
+     r"a task of your own needs both `target` and `seen`"),
+    ("seen nowhere", own_task("{x0: 1.0}", "{'1': -1.0}"), ValueError,
+     r"the seen condition \{'1': -1.0\} holds nowhere on the cube"),
+    ("seen everywhere", own_task("{x0: 1.0}", "{'1': 1.0}"), ValueError,
+     r"task 2parity: the seen condition \{'1': 1.0\} holds on all 2\^6 = 64 points, so there is no unseen slice"),
+    ("monomial unreadable", own_task("{y0: 1.0}", "{x0: 1.0}"), ValueError,
+     r"cannot read monomial 'y0': expected factors like x0\*x3, or '1'"),
+    ("monomial beyond n", own_task("{x9: 1.0}", "{x0: 1.0}"), ValueError,
+     r"monomial 'x9' uses a variable beyond x5 \(n=6\)"),
+    ("coefficient not a number", own_task("{x0: abc}", "{x0: 1.0}"), 2, r"target.*Given value: \{'x0': 'abc'\}"),
+    ("import path missing", own_task("no_such_module:f", "{x0: 1.0}"), ValueError,
+     r"cannot import 'no_such_module:f': No module named 'no_such_module'"),
+    ("import path bad shape", own_task("torch:ones_like", "{x0: 1.0}"), ValueError,
+     r"target 'torch:ones_like' returned shape \(64, 6\), expected \(64,\)"),
+    ("own task mask without structure", own_task("{x0: 1.0}", "{x0: 1.0}", "--model.init", "mask"), ValueError,
+     r"init method 'mask' needs a structure, but the task gave none"),
+    # ----------------------------------------------------------------------------------- structures
+    ("structure pair out of range", structure("{pairs: [[0, 9]]}"), ValueError,
+     r"pair \[0, 9\] has token 9, outside 0..5"),
+    ("structure two sources", structure("{pairs: [[0, 1]], file: x.pt}"), ValueError,
+     r"a structure needs exactly one of pairs, heads, layers or file; got \['pairs', 'file'\]"),
+    ("structure file missing", structure("{file: @missing.pt}"), FileNotFoundError,
+     rf"structure file \S*missing.pt does not exist; {EXPECTED_STRUCTURE}"),
+    ("structure file suffix", structure("{file: @structure.txt}"), ValueError,
+     r"structure file \S*structure.txt must end in .pt or .npy, not '.txt'"),
+    ("structure .pt random bytes", structure("{file: @random.pt}"), ValueError,
+     rf"structure file \S*random.pt is not a torch.save file \(truncated, or another format\); {EXPECTED_STRUCTURE}"),
+    ("structure .pt truncated", structure("{file: @truncated.pt}"), ValueError,
+     r"structure file \S*truncated.pt is not a torch.save file"),
+    ("structure .pt holds a dict", structure("{file: @dict.pt}"), ValueError,
+     rf"structure file \S*dict.pt holds a dict with keys \['open'\]; {EXPECTED_STRUCTURE}"),
+    ("structure .pt holds a list", structure("{file: @list.pt}"), ValueError,
+     rf"structure file \S*list.pt holds a list; {EXPECTED_STRUCTURE}"),
+    ("structure .pt holds an object", structure("{file: @object.pt}"), ValueError,
+     r"structure file \S*object.pt holds Python objects other than tensors"),
+    ("structure .npy holds text", structure("{file: @text.npy}"), ValueError,
+     rf"structure file \S*text.npy is not a .npy array \(no NumPy header; a text file\?\); {EXPECTED_STRUCTURE}"),
+    ("structure .npy holds strings", structure("{file: @strings.npy}"), ValueError,
+     rf"structure file \S*strings.npy holds <U1 values; {EXPECTED_STRUCTURE}"),
+    ("structure .npy holds objects", structure("{file: @objects.npy}"), ValueError,
+     r"structure file \S*objects.npy cannot be read safely \(it holds pickled Python objects\)"),
+    ("structure values not 0/1", structure("{file: @half.npy}"), ValueError,
+     rf"structure file \S*half.npy holds values other than 0 and 1 \(e.g. 0.5\); {EXPECTED_STRUCTURE}"),
+    ("structure not square", structure("{file: @rectangle.pt}"), ValueError,
+     rf"structure file \S*rectangle.pt holds a tensor of shape \(6, 5\); {EXPECTED_STRUCTURE}"),
+    ("structure size", structure("{file: @eye5.pt}"), ValueError,
+     r"structure is 5x5 but the sequence has 6 tokens \(structure file \S*eye5.pt\)"),
+    ("structure row all closed", structure("{file: @closed_row.pt}"), ValueError,
+     r"closed_row.pt: row 2 \(layer 0, head 0\) has no open entry"),
+    ("structure heads", structure("{file: @heads4.pt}"), ValueError,
+     r"heads4.pt has 4 heads but the model has 3 \(give 1 to share one pattern across heads\)"),
+    # ----------------------------------------------------------------------------------- data files
+    ("WikiText folder missing", wikitext("missing_dir"), FileNotFoundError,
+     r"no WikiText-2 under \S*missing_dir: expected wiki.train.raw / wiki.valid.raw / wiki.test.raw"),
+    ("WikiText undecodable bytes", wikitext("wiki_binary"), ValueError,
+     r"WikiText-2 file \S*wiki.valid.raw is not UTF-8 text: byte 0xff at offset 6 cannot be decoded"),
+    ("WikiText empty split file", wikitext("wiki_empty"), ValueError,
+     r"WikiText-2 validation split is empty: \S*wiki.valid.raw holds no text"),
+    ("tokenizer file garbage", wikitext("wiki_good", tokenizer="garbage.json"), ValueError,
+     r"tokenizer file \S*garbage.json is not a tokenizer.json of the tokenizers library"),
+    ("TinyStories empty file", tinystories("stories_empty"), ValueError,
+     r"TinyStories train split is empty: \S*TinyStories-train.txt holds no story"),
+    ("TinyStories undecodable bytes", tinystories("stories_binary"), ValueError,
+     r"TinyStories file \S*TinyStories-train.txt is not UTF-8 text: byte 0xff"),
+    ("CIFAR folder missing", lambda f: CIFARDataModule(root=f["missing_dir"]).setup("fit"), FileNotFoundError,
+     r"CIFAR-10 folder \S*missing_dir/cifar-10-batches-py does not exist"),
+    ("digits max_train_size negative", lambda f: DigitsDataModule(max_train_size=-1), ValueError,
+     r"max_train_size must be a positive number of images, or null for all of them, got -1"),
+    ("arithmetic train_fraction", lambda f: ArithmeticDataModule(train_fraction=0.0), ValueError,
+     r"train_fraction must be in \(0, 1\), got 0.0"),
+    ("arithmetic num_digits", lambda f: ArithmeticDataModule(num_digits=5), ValueError,
+     r"num_digits must be 1..4 .*got 5"),
+    # ---------------------------------------------------------------------------------- checkpoints
+    # Unreadable: LightningCLI loads ckpt_path right after parsing, so checks.check_argv reads it first (exit 2).
+    ("checkpoint missing", fit_mask("--ckpt_path", "@missing.ckpt"), 2,
+     r"ckpt_path \S*missing.ckpt does not exist; expected a .ckpt file"),
+    ("checkpoint is a folder", fit_mask("--ckpt_path", "@missing_dir"), 2,
+     r"ckpt_path \S*missing_dir is a directory; expected a .ckpt file"),
+    ("checkpoint empty", fit_mask("--ckpt_path", "@empty.ckpt"), 2,
+     rf"checkpoint \S*empty.ckpt {NOT_READABLE}: the file is empty"),
+    ("checkpoint truncated", fit_mask("--ckpt_path", "@truncated.ckpt"), 2,
+     rf"checkpoint \S*truncated.ckpt {NOT_READABLE}: it is not a complete zip archive"),
+    ("checkpoint garbage", fit_mask("--ckpt_path", "@garbage.ckpt"), 2, rf"checkpoint \S*garbage.ckpt {NOT_READABLE}"),
+    ("checkpoint holds a tensor", fit_mask("--ckpt_path", "@tensor.ckpt"), 2,
+     r"checkpoint \S*tensor.ckpt holds a Tensor; expected a Lightning checkpoint \(a dict with a 'state_dict'\)"),
+    ("checkpoint without state_dict", fit_mask("--ckpt_path", "@weights.ckpt"), 2,
+     r"checkpoint \S*weights.ckpt holds a dict with keys \['weight'\]; expected a Lightning checkpoint"),
+    ("checkpoint holds an object", fit_mask("--ckpt_path", "@object.ckpt"), 2,
+     r"checkpoint \S*object.ckpt holds Python objects a safe load refuses \(datetime.date\)"),
+    ("checkpoint in a config file", ["fit", "-c", BOOLEAN, "-c", "@ckpt_config.yaml", *TINY], 2,
+     rf"checkpoint \S*garbage.ckpt {NOT_READABLE}"),
+    ("checkpoint with --ckpt_path=", fit_mask("--ckpt_path=@empty.ckpt"), 2,
+     rf"checkpoint \S*empty.ckpt {NOT_READABLE}"),
+    ("validate with garbage checkpoint", ["validate", "-c", BOOLEAN, *TINY, "--ckpt_path", "@garbage.ckpt"], 2,
+     rf"checkpoint \S*garbage.ckpt {NOT_READABLE}"),
+    ("test with truncated checkpoint", ["test", "-c", BOOLEAN, *TINY, "--ckpt_path", "@truncated.ckpt"], 2,
+     rf"checkpoint \S*truncated.ckpt {NOT_READABLE}"),
+    # Readable, but of another config: checked against the model in MaskPriorCLI.before_fit.
+    ("checkpoint other dim", fit_mask("--model.backbone.init_args.dim", "32", "--ckpt_path", "@tiny.ckpt"),
+     CheckpointError, r"checkpoint \S*tiny.ckpt was trained with dim 16, the config asks for dim 32$"),
+    ("checkpoint other n", fit_mask("--data.init_args.n", "7", "--ckpt_path", "@tiny.ckpt"), CheckpointError,
+     r"checkpoint \S*tiny.ckpt was trained with sequence length 6 and prior shape \(1, 6, 6\), the config asks "
+     r"for sequence length 7 and prior shape \(1, 7, 7\)"),
+    ("checkpoint other depth", fit_mask("--model.backbone.init_args.depth", "3", "--ckpt_path", "@tiny.ckpt"),
+     CheckpointError, r"checkpoint \S*tiny.ckpt was trained with depth 2, the config asks for depth 3$"),
+    ("on_load_checkpoint other width",
+     lambda f: tiny_module(dim=32).on_load_checkpoint(checks.read_checkpoint(f["tiny.ckpt"])), CheckpointError,
+     r"the checkpoint was trained with dim 16, .*the config asks for dim 32"),
+    ("on_load_checkpoint other init",
+     lambda f: tiny_module("default").on_load_checkpoint(checks.read_checkpoint(f["tiny.ckpt"])), CheckpointError,
+     r"the checkpoint has a prior \(trained with init 'mask'\), the config asks for init 'default'"),
+    # ---------------------------------------------------------------------------------- study files
+    ("study YAML syntax error", study("study_syntax.yaml"), 2,
+     r"study file \S*study_syntax.yaml: YAML syntax error at line 3, column 1: expected ',' or '\]', but got "
+     r"'<stream end>' \(while parsing a flow sequence that starts at line 2, column 11\)"),
+    ("study init unknown", study("study_init.yaml"), 2, r"study_init.yaml: .*'maks'"),
+    ("study config missing", study("study_config.yaml"), 2,
+     r"study_config.yaml: tasks\[0\] \(t\): config '\S*missing.yaml' does not exist"),
+    ("study seed negative", study("study_seeds.yaml"), 2,
+     r"study_seeds.yaml: seeds\[0\]: a seed is a non-negative integer, got -1"),
+    ("study seeds empty", study("study_no_seeds.yaml"), 2, r"study_no_seeds.yaml: seeds: give at least one seed"),
+]  # fmt: skip
+
+
+def _write_files(root: Path) -> dict[str, Path]:
+    f: dict[str, Path] = {"missing_dir": root / "missing_dir", "cache": root / "cache"}
+    f["missing_dir"].mkdir()  # holds nothing: a folder where a file or dataset is expected
+
+    def path(name: str) -> Path:
+        f[name] = root / name
+        return f[name]
+
+    for name in ("missing.yaml", "missing.pt", "missing.ckpt"):
+        path(name)
+    # YAML
+    path("syntax.yaml").write_text("model:\n  init: [mask\n  x: 1\n")
+    path("list.yaml").write_text("- model\n- data\n")
+    path("binary.yaml").write_bytes(b"model:\n  init: \xff\xfe\n")
+    path("unknown_key.yaml").write_text("model:\n  warmup: 5\n")
+    # structures
+    eye = torch.eye(6, dtype=torch.bool)
+    path("structure.txt").write_text("0 1\n1 0\n")
+    path("random.pt").write_bytes(bytes(range(256)) * 4)
+    torch.save(eye, path("eye.pt"))
+    path("truncated.pt").write_bytes(f["eye.pt"].read_bytes()[:200])
+    torch.save({"open": eye}, path("dict.pt"))
+    torch.save([eye, eye], path("list.pt"))
+    torch.save(datetime.date(2024, 1, 1), path("object.pt"))
+    path("text.npy").write_text("1 0 0\n0 1 0\n0 0 1\n")
+    np.save(path("strings.npy"), np.array([["1", "0"], ["0", "1"]]))
+    np.save(path("objects.npy"), np.array([{"open": 1}], dtype=object), allow_pickle=True)
+    np.save(path("half.npy"), np.full((6, 6), 0.5))
+    torch.save(torch.ones(6, 5), path("rectangle.pt"))
+    torch.save(torch.eye(5, dtype=torch.bool), path("eye5.pt"))
+    closed = eye.clone()
+    closed[2, 2] = False
+    torch.save(closed, path("closed_row.pt"))
+    torch.save(eye.expand(4, 6, 6).clone(), path("heads4.pt"))
+    # text data
+    for name, valid in (("wiki_good", b"valid text\n"), ("wiki_binary", b"valid \xff\xfe\n"), ("wiki_empty", b"")):
+        folder = path(name)
+        folder.mkdir()
+        (folder / "wiki.train.raw").write_bytes(b" = Title = \n\n some training text here .\n")
+        (folder / "wiki.valid.raw").write_bytes(valid)
+        (folder / "wiki.test.raw").write_bytes(b" some test text .\n")
+    path("garbage.json").write_text("this is not json")
+    for name, train in (("stories_empty", b""), ("stories_binary", b"Once \xff upon a time.<|endoftext|>")):
+        folder = path(name)
+        folder.mkdir()
+        (folder / "TinyStories-train.txt").write_bytes(train)
+        (folder / "TinyStories-valid.txt").write_bytes(b"A story.<|endoftext|>")
+    # study files
+    base = {
+        "tasks": [{"name": "2parity", "config": BOOLEAN}],
+        "inits": ["default"],
+        "seeds": [0],
+        "metrics": [{"tag": "val/mse", "label": "MSE"}],
+        "out_dir": str(root / "study"),
+    }
+    path("study_syntax.yaml").write_text("tasks:\n  - name: [2parity\n")
+    for name, change in (
+        ("study_init.yaml", {"inits": ["default", "maks"]}),
+        ("study_config.yaml", {"tasks": [{"name": "t", "config": str(f["missing.yaml"])}]}),
+        ("study_seeds.yaml", {"seeds": [-1]}),
+        ("study_no_seeds.yaml", {"seeds": []}),
+    ):
+        path(name).write_text(yaml.safe_dump({**base, **change}))
+    return f
+
+
+def _write_checkpoints(root: Path, f: dict[str, Path]) -> None:
+    """A real tiny checkpoint (mask init, n 6, dim 16, depth 2) and broken ones."""
+    main(["fit", "-c", BOOLEAN, "-c", MASK, *[str(root / "made") if a == "@runs" else a for a in TINY],
+          "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"])  # fmt: skip
+    tiny = f["tiny.ckpt"] = root / "tiny.ckpt"
+    shutil.copy(sorted((root / "made").rglob("*.ckpt"))[0], tiny)
+    data = tiny.read_bytes()
+    (f.setdefault("empty.ckpt", root / "empty.ckpt")).write_bytes(b"")
+    (f.setdefault("truncated.ckpt", root / "truncated.ckpt")).write_bytes(data[: len(data) // 2])
+    (f.setdefault("garbage.ckpt", root / "garbage.ckpt")).write_bytes(bytes(reversed(data[:4096])))
+    f.setdefault("ckpt_config.yaml", root / "ckpt_config.yaml").write_text(f"ckpt_path: {f['garbage.ckpt']}\n")
+    torch.save(torch.ones(2), f.setdefault("tensor.ckpt", root / "tensor.ckpt"))
+    torch.save({"weight": torch.ones(2)}, f.setdefault("weights.ckpt", root / "weights.ckpt"))
+    torch.save({"state_dict": {}, "made": datetime.date(2024, 1, 1)}, f.setdefault("object.ckpt", root / "object.ckpt"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_inputs")
+    f = _write_files(root)
+    _write_checkpoints(root, f)
+    return f
+
+
+def _resolve(arg: str, f: dict[str, Path]) -> str:
+    return re.sub(r"@([\w.\-]+)", lambda m: str(f[m.group(1)]), arg)
+
+
+@pytest.mark.parametrize("call,expected,pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(call, expected, pattern, files, tmp_path, capsys):
+    f = {**files, "runs": tmp_path / "runs"}
+    run = (lambda: call(f)) if callable(call) else (lambda: main([_resolve(a, f) for a in call]))
+    if isinstance(expected, int):
+        with pytest.raises(SystemExit) as info:
+            run()
+        assert info.value.code == expected
+        message = capsys.readouterr().err
+    else:
+        with pytest.raises(expected) as info:
+            run()
+        message = str(info.value)
+    assert re.search(pattern, message, re.S), message
+    # Never advise loading an untrusted file unsafely.
+    assert "weights_only=False" not in message and "allow_pickle=True" not in message, message
+    # It failed before any run directory was made (nothing for TensorBoard to show as a run).
+    assert not list((tmp_path / "runs").rglob("version_*")), list((tmp_path / "runs").rglob("*"))
+
+
+def test_the_table_is_large_and_ids_are_unique():
+    assert len(CASES) >= 40
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+# ------------------------------------------------------------------------------- what must still work
+def test_our_own_checkpoint_loads_safely_and_fits(files):
+    """maskprior's checkpoints load with weights_only=True, and one fits the model of its own config."""
+    checkpoint = checks.read_checkpoint(files["tiny.ckpt"])
+    assert checks.checkpoint_mismatch(checkpoint, tiny_module()) is None
+    checks.check_ckpt_path(files["tiny.ckpt"], tiny_module())
+    checks.check_ckpt_path("last", None)  # Lightning resolves these itself
+
+
+def test_weights_only_false_is_the_users_choice(files):
+    """With --weights_only false nothing is unpickled by the check; a broken file still fails, naming it."""
+    checks.check_ckpt_path(files["object.ckpt"], None, weights_only=False)
+    with pytest.raises(CheckpointError, match="truncated.ckpt is not a readable PyTorch checkpoint"):
+        checks.check_ckpt_path(files["truncated.ckpt"], None, weights_only=False)
+
+
+def test_good_config_and_structure_files_pass(files, tmp_path):
+    checks.check_argv(["fit", "-c", BOOLEAN, "--config", MASK])
+    good = tmp_path / "good.npy"
+    np.save(good, np.eye(6, dtype=np.int64))
+    from lightning_maskprior.priors import load_structure_file
+
+    assert load_structure_file(good).seq_len == 6
+    assert load_structure_file(files["eye.pt"]).seq_len == 6
+
+
+# ------------------------------------------------------------------------------ empty run directories
+def _run_dir(root: Path, scalar: bool = False, checkpoint: bool = False) -> Path:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(str(root), name="lightning_logs")
+    logger.log_hyperparams({"lr": 0.1})
+    if scalar:
+        logger.log_metrics({"train/loss": 1.0}, step=0)
+    logger.finalize("failed")
+    log_dir = Path(logger.log_dir)
+    (log_dir / "config.yaml").write_text("model: {}\n")
+    (log_dir / "checkpoints").mkdir()
+    if checkpoint:
+        (log_dir / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    return log_dir
+
+
+def test_remove_empty_run_dir(tmp_path):
+    empty = _run_dir(tmp_path / "a")
+    assert checks.remove_empty_run_dir(empty) and not empty.exists()
+    with_scalar = _run_dir(tmp_path / "b", scalar=True)
+    assert not checks.remove_empty_run_dir(with_scalar) and with_scalar.is_dir()
+    with_checkpoint = _run_dir(tmp_path / "c", checkpoint=True)
+    assert not checks.remove_empty_run_dir(with_checkpoint) and with_checkpoint.is_dir()
+    assert not checks.remove_empty_run_dir(tmp_path / "nowhere")
+    assert not checks.remove_empty_run_dir(None)

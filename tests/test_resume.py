@@ -1,0 +1,193 @@
+"""Exact resume, signals and divergence: a run stopped anywhere and resumed equals the uninterrupted run.
+
+Each case trains a tiny model three ways: uninterrupted; stopped by a signal (or a crash) at a chosen step;
+resumed with ``--ckpt_path last``. Every scalar the runs logged must be equal, bit for bit, and the
+resumed run must log into the interrupted run's own directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CONFIGS, ROOT
+from lightning_maskprior import run_status
+from lightning_maskprior.cli import main
+from lightning_maskprior.tensorboard import read_scalars
+
+TESTS = Path(__file__).resolve().parent
+COMMON = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+          "--trainer.log_every_n_steps", "1"]
+
+BOOLEAN = ["-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
+           "--data.init_args.n", "6", "--data.init_args.batch_size", "16", "--data.init_args.eval_batch_size", "64",
+           "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
+           "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
+           "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "1", *COMMON]  # 3 batches per epoch
+ARITHMETIC = ["-c", str(CONFIGS / "arithmetic/addition.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
+              "--data.init_args.num_digits", "2", "--data.init_args.train_fraction", "0.05",
+              "--data.init_args.val_size", "200", "--data.init_args.eval_batch_size", "200",
+              "--data.init_args.batch_size", "32", "--model.backbone.init_args.dim", "16",
+              "--model.backbone.init_args.depth", "1", "--model.backbone.init_args.head_dim", "8",
+              "--model.backbone.init_args.mlp_dim", "32", "--model.warmup_steps", "0",
+              "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "1", *COMMON]
+VISION = ["-c", str(CONFIGS / "vision/digits.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
+          "--data.init_args.max_train_size", "32", "--data.init_args.test_size", "16",
+          "--data.init_args.img_size", "16", "--data.init_args.batch_size", "8",  # augmented: random crops
+          "--model.backbone.init_args.model_kwargs",
+          '{"embed_dim": 24, "depth": 2, "num_heads": 3, "drop_path_rate": 0.2}',  # stochastic depth draws RNG
+          "--model.warmup_steps", "2", "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "1", *COMMON]
+
+
+def language(tmp_path: Path) -> list[str]:
+    return ["-c", str(CONFIGS / "language/pydoc.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
+            "--data.init_args.block_size", "16", "--data.init_args.vocab_size", "300",
+            "--data.init_args.batch_size", "8", "--data.init_args.cache_dir", str(tmp_path / "cache"),
+            "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "1",
+            "--model.backbone.init_args.num_heads", "2", "--trainer.max_steps", "8",
+            "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2", *COMMON]
+
+
+def _fit(args: list[str], root: Path, *extra: str) -> int:
+    try:
+        main(["fit", *args, "--trainer.default_root_dir", str(root), *extra])
+    except SystemExit as exit_info:
+        return exit_info.code if isinstance(exit_info.code, int) else 1
+    return 0
+
+
+def _signal_at(step: int, signum: int = signal.SIGTERM) -> list[str]:
+    return ["--trainer.callbacks+=resume_helpers.SignalAt", "--trainer.callbacks.step", str(step),
+            "--trainer.callbacks.signum", str(signum)]
+
+
+def assert_same_scalars(full: Path, resumed: Path) -> None:
+    a, b = read_scalars(full), read_scalars(resumed)
+    assert set(a) == set(b)
+    different = {tag: (a[tag], b[tag]) for tag in a if a[tag] != b[tag]}
+    assert not different, f"{len(different)} of {len(a)} tags differ, e.g. {next(iter(different.items()))}"
+
+
+def check_resume(tmp_path: Path, args: list[str], stop: list[str], expected_rc: int) -> None:
+    assert _fit(args, tmp_path / "full") == 0
+    assert _fit(args, tmp_path / "resumed", *stop) == expected_rc
+    last = tmp_path / "resumed/lightning_logs/version_0/checkpoints/last.ckpt"
+    assert last.is_file()
+    assert _fit(args, tmp_path / "resumed", "--ckpt_path", "last") == 0
+    # One run directory: the resumed run continued version_0 instead of starting version_1.
+    assert [p.name for p in (tmp_path / "resumed/lightning_logs").iterdir()] == ["version_0"]
+    assert_same_scalars(tmp_path / "full", tmp_path / "resumed")
+
+
+@pytest.fixture(autouse=True)
+def _helpers_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))  # resume_helpers, by class path from the CLI
+
+
+@pytest.mark.parametrize("step,signum", [
+    (4, signal.SIGTERM),  # mid-epoch (epoch 1, batch 1)
+    (5, signal.SIGINT),  # last batch of epoch 1: saved at the epoch's end, after its validation
+    (0, signal.SIGTERM),  # the first step
+], ids=["mid-epoch-sigterm", "epoch-boundary-sigint", "first-step"])
+def test_boolean_resume_is_exact(tmp_path, step, signum):
+    check_resume(tmp_path, BOOLEAN, _signal_at(step, signum), 128 + signum)
+
+
+def test_crash_without_checkpoint_resumes_from_last_and_hides_the_lost_steps(tmp_path):
+    # Killed (no signal handler runs) after the epoch-1 checkpoint: the steps logged since then are
+    # logged again by the resumed run; TensorBoard's purge_step hides the killed run's copies.
+    args = BOOLEAN
+    assert _fit(args, tmp_path / "full") == 0
+    with pytest.raises(RuntimeError, match="crash at step 8"):
+        main(["fit", *args, "--trainer.default_root_dir", str(tmp_path / "resumed"),
+              "--trainer.callbacks+=resume_helpers.CrashAt", "--trainer.callbacks.step", "8"])
+    assert _fit(args, tmp_path / "resumed", "--ckpt_path", "last") == 0
+    assert len(list((tmp_path / "resumed").rglob("events.out.tfevents.*"))) == 2
+    assert_same_scalars(tmp_path / "full", tmp_path / "resumed")
+
+
+def test_arithmetic_resume_is_exact(tmp_path):
+    check_resume(tmp_path, ARITHMETIC, _signal_at(3), run_status.EXIT_SIGTERM)
+
+
+def test_vision_resume_with_augmentation_and_stochastic_depth_is_exact(tmp_path):
+    check_resume(tmp_path, VISION, _signal_at(5), run_status.EXIT_SIGTERM)
+
+
+def test_language_resume_mid_epoch_with_validation_inside_the_epoch_is_exact(tmp_path):
+    check_resume(tmp_path, language(tmp_path), _signal_at(4), run_status.EXIT_SIGTERM)
+
+
+def test_ckpt_path_last_without_a_checkpoint_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no last.ckpt under"):
+        main(["fit", *BOOLEAN, "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", "last"])
+
+
+# ------------------------------------------------------------------------------------------ divergence
+def test_divergence_stops_the_run_with_exit_code_3_and_names_step_and_loss(tmp_path, capsys):
+    rc = _fit(BOOLEAN, tmp_path, "--model.optimizer.init_args.lr", "1e12")
+    err = capsys.readouterr().err
+    assert rc == run_status.EXIT_DIVERGED, err[-2000:]
+    assert "diverged: the training loss is" in err and "at step" in err
+    assert run_status.status_from_returncode(rc) == "diverged"
+    assert not list(tmp_path.rglob("last.ckpt")) or all(  # nothing saved from the diverged step
+        torch.isfinite(t).all() for ckpt in tmp_path.rglob("last.ckpt")
+        for t in torch.load(ckpt, weights_only=True)["state_dict"].values())
+
+
+def test_nan_predictions_never_count_as_correct():
+    from lightning_maskprior.objectives import ClassificationObjective, DigitsObjective, RegressionObjective
+
+    regression = RegressionObjective(label_values=[-1.0, 1.0])
+    metrics = regression.make_metrics()
+    batch = {"target": torch.tensor([1.0, -1.0, 1.0, -1.0]), "unseen": torch.tensor([True, True, False, False]),
+             "mdi": torch.tensor([1.0, -1.0, 1.0, -1.0])}
+    regression.update_metrics(metrics, torch.full((4, 1), float("nan")), batch)
+    values = metrics.compute()
+    assert values["acc"] == 0 and values["unseen_acc"] == 0 and values["mdi_acc"] == 1
+    assert torch.isnan(values["mse"])
+
+    digits = DigitsObjective(num_digits=2)
+    metrics = digits.make_metrics()
+    target = torch.zeros(3, 2, dtype=torch.long)  # argmax of an all-NaN row is 0: would look right
+    digits.update_metrics(metrics, torch.full((3, 2 * 10), float("nan")), {"digits": target})
+    assert metrics.compute()["seq_acc"] == 0 and metrics.compute()["digit_acc"] == 0
+
+    classes = ClassificationObjective(num_classes=10)
+    metrics = classes.make_metrics()
+    logits = torch.randn(4, 10)
+    logits[0] = float("nan")
+    target = logits.argmax(dim=-1)
+    target[0] = 0
+    classes.update_metrics(metrics, logits, {"target": target})
+    values = metrics.compute()
+    assert values["top1"] == pytest.approx(0.75) and values["top5"] == pytest.approx(0.75)
+
+
+# ------------------------------------------------------------------------------------- two processes
+def _cli(args: list[str], root: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", "fit", *args,
+                           "--trainer.default_root_dir", str(root)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("step", [2, 3], ids=["mid-epoch", "epoch-boundary"])
+def test_ddp_resume_is_exact_and_sigterm_exits_143(tmp_path, step):
+    # 2 processes: 2 batches per rank and epoch. The signal reaches rank 1 only; both ranks stop together.
+    args = [*BOOLEAN, "-c", str(CONFIGS / "trainer/ddp.yaml"), "--trainer.max_epochs", "3"]
+    full = _cli(args, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    stopped = _cli([*args, *_signal_at(step), "--trainer.callbacks.rank", "1"], tmp_path / "resumed")
+    assert stopped.returncode == run_status.EXIT_SIGTERM, stopped.stderr[-3000:]
+    assert "received SIGTERM" in stopped.stdout
+    resumed = _cli([*args, "--ckpt_path", "last"], tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_scalars(tmp_path / "full", tmp_path / "resumed")
