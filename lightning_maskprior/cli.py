@@ -2,7 +2,11 @@
 
     maskprior fit -c configs/boolean/2parity.yaml -c configs/init/mask.yaml
     maskprior fit --help
-    maskprior study -c configs/study/boolean_cpu.yaml   (a grid of runs and the paper's table; see study.py)
+    maskprior study -c configs/study/boolean_cpu.yaml   (a grid of runs and the paper's table; see study/)
+
+A fit keeps ``<log_dir>/checkpoints/last.ckpt``; ``--ckpt_path last`` resumes the newest one exactly, in the
+same run directory. Exit codes (run_status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT
+after saving last.ckpt.
 """
 
 from __future__ import annotations
@@ -48,6 +52,17 @@ class MaskPriorCLI(LightningCLI):
         checks.check_subcommand(self.config[self.subcommand], self.model)  # ckpt_path: readable, fits the model
 
     before_validate = before_test = before_fit
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            # A run that failed before logging anything must not leave an empty run in TensorBoard.
+            # logger.log_dir, not trainer.log_dir: the latter is a collective call, unsafe on a failure path.
+            logger = self.trainer.logger
+            if self.trainer.is_global_zero and logger is not None:
+                checks.remove_empty_run_dir(getattr(logger, "log_dir", None))
+            raise
 
     def after_fit(self) -> None:
         trainer = self.trainer
