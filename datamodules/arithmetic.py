@@ -182,3 +182,7 @@ class ArithmeticDataModule(L.LightningDataModule):
 
     def test_dataloader(self):
         return eval_loader(self.test_set, self.eval_batch_size, self.num_workers)
+
+    def predict_dataloader(self):
+        """The test set (the held-out pairs): ``maskprior predict``."""
+        return self.test_dataloader()

@@ -240,3 +240,7 @@ class BooleanGOTUDataModule(L.LightningDataModule):
 
     def test_dataloader(self):
         return eval_loader(self.cube, self.eval_batch_size, self.num_workers)
+
+    def predict_dataloader(self):
+        """The whole cube (with each point's target, unseen flag and MDI value): ``maskprior predict``."""
+        return eval_loader(self.cube, self.eval_batch_size, self.num_workers)

@@ -255,6 +255,10 @@ class LanguageModelDataModule(L.LightningDataModule):
     def test_dataloader(self):
         return eval_loader(self.datasets["test"], self.eval_batch_size, self.num_workers)
 
+    def predict_dataloader(self):
+        """The test split (the most likely next token at each position): ``maskprior predict``."""
+        return self.test_dataloader()
+
     def decode(self, ids: Tensor | list[int]) -> str:
         """Token ids back to text (for inspecting samples)."""
         self._build()

@@ -298,6 +298,10 @@ class ImageClassificationDataModule(L.LightningDataModule):
     def test_dataloader(self):
         return eval_loader(self.eval_set, self.eval_batch_size, self.num_workers)
 
+    def predict_dataloader(self):
+        """The evaluation set: ``maskprior predict``."""
+        return self.test_dataloader()
+
 
 class _Subset:
     def __init__(self, items: Sequence[Any], index: np.ndarray) -> None:

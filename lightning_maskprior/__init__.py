@@ -7,6 +7,15 @@ from lightning_maskprior.task import Objective, TaskSpec
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    if name == "load_run":  # imported on first use: it needs Lightning
+        from lightning_maskprior.runs import load_run
+
+        return load_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "INIT_METHODS",
     "Objective",
@@ -17,5 +26,6 @@ __all__ = [
     "apply_init",
     "attention_layers",
     "attention_probabilities",
+    "load_run",
     "register_init",
 ]

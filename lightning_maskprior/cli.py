@@ -18,11 +18,12 @@ from typing import Any
 import lightning as L
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_maskprior import checks, run_status
+from lightning_maskprior import checks, config_files, run_status
+from lightning_maskprior.callbacks import PredictionWriter
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.resume import LAST, Diverged, RunGuard
 
@@ -32,6 +33,31 @@ class MaskPriorCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data", "model.task", apply_on="instantiate", compute_fn=_task_spec)
+        # The datamodule's config goes into the model's hyperparameters (and checkpoints): it rebuilds the task.
+        parser.link_arguments("data", "model.datamodule", apply_on="parse", compute_fn=_datamodule_spec)
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning merges the checkpoint's model hyperparameters into the config. Not the ones that build the
+        # network (backbone, structure), its data (datamodule) or its optimizer: those stay the config's, and a
+        # checkpoint of another model is reported in the config's terms (checks.check_checkpoint_fits).
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams = {k: v for k, v in hparams.items() if k not in _CONFIG_ONLY_HPARAMS}
+        if not hparams:
+            return
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
+                     subparser_kwargs: dict[str, Any]) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        self.parser.epilog = _EPILOG  # the commands that are not LightningCLI's
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand == "fit":
@@ -40,6 +66,8 @@ class MaskPriorCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         # Every fit keeps last.ckpt (and stops on SIGTERM/SIGINT with it saved), unless checkpointing is off.
         callbacks = [*callbacks, RunGuard()]
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
+            callbacks.append(PredictionWriter(_run_dir_of(self.config.predict.get("ckpt_path"))))
         configured = [c for c in _as_list(config.get("callbacks")) if isinstance(c, ModelCheckpoint)]
         if config.get("enable_checkpointing", True) is not False:
             if not configured:
@@ -89,8 +117,8 @@ def _continue_run_directory(config) -> None:
     """Resuming a fit: ``--ckpt_path last`` finds the newest ``last.ckpt``, and the logs continue in its run directory.
 
     A checkpoint at ``<save_dir>/<name>/<version>/checkpoints/x.ckpt`` makes the TensorBoard logger write
-    to that same ``<version>`` directory instead of a new one, with ``purge_step`` at the checkpoint's step:
-    points a killed run logged after its last checkpoint are hidden, so no step appears twice.
+    to that same ``<version>`` directory instead of a new one, with ``purge_step`` just after the checkpoint's
+    step: points a killed run logged after its last checkpoint are hidden, so no step appears twice.
     """
     ckpt = config.get("ckpt_path")
     if ckpt is None:
@@ -119,9 +147,34 @@ def _continue_run_directory(config) -> None:
     init_args = {"save_dir": str(version_dir.parent.parent), "name": version_dir.parent.name,
                  "version": version_dir.name}
     if step:
-        init_args["purge_step"] = int(step)
+        # Callbacks log step S's measurement before the checkpoint at step S is saved; Lightning's own
+        # training scalars at step S come after it and are logged again, identically, by the resumed run.
+        init_args["purge_step"] = int(step) + 1
     config.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=Namespace(
         **{**(logger.init_args.as_dict() if logger not in (None, True) else {}), **init_args}))
+
+
+_EPILOG = (
+    "more commands: `maskprior study -c study/boolean_cpu.yaml` runs a grid of fits and the paper's table "
+    "(maskprior study --help); `maskprior configs` lists the packaged configs (-c takes their short names). "
+    "`maskprior predict -c CONFIG --ckpt_path RUN/checkpoints/last.ckpt` writes RUN/predictions.csv."
+)
+
+
+def _run_dir_of(ckpt_path: str | None) -> Path | None:
+    """The run directory of a checkpoint ``<run>/checkpoints/x.ckpt`` (where predictions go), or None."""
+    path = Path(ckpt_path) if ckpt_path else None
+    return path.parent.parent if path is not None and path.parent.name == "checkpoints" else None
+
+
+_CONFIG_ONLY_HPARAMS = ("_instantiator", "_class_path", "backbone", "optimizer", "structure", "datamodule")
+
+
+def _datamodule_spec(data) -> dict[str, Any] | None:
+    if data is None:
+        return None
+    spec = data.as_dict() if isinstance(data, Namespace) else dict(data)
+    return {"class_path": spec.get("class_path"), "init_args": dict(spec.get("init_args") or {})}
 
 
 def _task_spec(datamodule: L.LightningDataModule):
@@ -144,12 +197,18 @@ def _print_metrics(trainer: L.Trainer, prefix: str, title: str) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``maskprior`` console script."""
-    argv = sys.argv[1:] if args is None else list(args)
+    argv = config_files.resolve_argv(sys.argv[1:] if args is None else list(args))  # -c NAME: packaged configs
+    if argv[:1] == ["configs"]:
+        return config_files.main(argv[1:])
     checks.check_argv(argv)  # -c files and ckpt_path, before LightningCLI reads them: exit 2 naming the file
     if argv[:1] == ["study"]:  # not a LightningCLI subcommand: a grid of fit/test runs
         from lightning_maskprior.study import main as study_main
 
         return study_main(argv[1:])
+    if args is None:
+        sys.argv[1:] = argv  # LightningCLI (and DDP's re-launched ranks) read sys.argv
+    else:
+        args = argv
     try:
         _run_cli(args)
     except Diverged as err:

@@ -6,13 +6,14 @@ says (the additive prior, the query/key weights, or nowhere), and trains with th
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.cli import OptimizerCallable, instantiate_class
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -26,6 +27,49 @@ from lightning_maskprior.task import TaskSpec
 
 def _adam(params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
+
+
+def build_datamodule(spec: dict[str, Any]) -> L.LightningDataModule:
+    """The datamodule ``{class_path, init_args}`` describes (as the CLI's config and the checkpoints hold it)."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
+        raise ValueError(f"datamodule must be a mapping with a class_path and init_args, got {spec!r}")
+    return instantiate_class((), {"class_path": spec["class_path"], "init_args": dict(spec.get("init_args") or {})})
+
+
+def _instantiate_from_spec(spec: dict[str, Any], first: Any) -> Any:
+    init = {"class_path": spec["class_path"], "init_args": dict(spec.get("init_args") or {})}
+    return instantiate_class((first,), init)
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _keep_plain_hparams(hparams: dict[str, Any]) -> None:
+    """Replace what is not a plain value (a class, a partial, a function given in Python) by its spec, or drop it.
+
+    Under the CLI the hyperparameters are the config (``{class_path, init_args}``), already plain.
+    """
+    for key in ("backbone", "optimizer", "structure"):
+        value = hparams.get(key)
+        if _is_plain(value):
+            continue
+        target, kwargs = value, {}
+        if isinstance(value, functools.partial) and not value.args:
+            target, kwargs = value.func, dict(value.keywords)
+        spec = None
+        if isinstance(target, type) and _is_plain(kwargs):
+            spec = {"class_path": f"{target.__module__}.{target.__qualname__}", "init_args": kwargs}
+        if spec is None:
+            hparams.pop(key)  # load_from_checkpoint then uses the default, or what the caller passes
+        else:
+            hparams[key] = spec
 
 
 class MaskPriorModule(L.LightningModule):
@@ -49,6 +93,9 @@ class MaskPriorModule(L.LightningModule):
             towards 0 and would erase the structure for a reason unrelated to the task's gradients.
             Every other parameter keeps the optimizer's weight decay, for every init method.
         task: Given by the datamodule (the CLI links it); not set in YAML.
+        datamodule: The datamodule the model is trained on, as ``{class_path, init_args}``; the CLI links it
+            and checkpoints keep it, so ``MaskPriorModule.load_from_checkpoint(path)`` rebuilds the task (and
+            with it the backbone) with no other argument. Used only when ``task`` is not given; not set in YAML.
     """
 
     def __init__(
@@ -62,10 +109,14 @@ class MaskPriorModule(L.LightningModule):
         warmup_steps: int = 0,
         prior_weight_decay: float = 0.0,
         task: TaskSpec | None = None,
+        datamodule: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if task is None:
-            raise ValueError("MaskPriorModule needs the datamodule's TaskSpec (task=dm.task_spec())")
+            if not datamodule:
+                raise ValueError("MaskPriorModule needs the datamodule's TaskSpec (task=dm.task_spec()), or the "
+                                 "datamodule as datamodule={'class_path': ..., 'init_args': {...}}")
+            task = build_datamodule(datamodule).task_spec()
         if lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -76,7 +127,14 @@ class MaskPriorModule(L.LightningModule):
         if init_options is not None and not isinstance(init_options, dict):
             raise ValueError(f"init_options must be a mapping of option: value, got {init_options!r}")
         get_init(init)  # fail early on an unknown name
-        self.save_hyperparameters(ignore=["backbone", "optimizer", "task", "structure"])
+        self.save_hyperparameters(ignore=["task"])
+        # A checkpoint's hyperparameters hold backbone and optimizer as {class_path, init_args}: accept that too
+        # (load_from_checkpoint of a module built in Python, outside the CLI).
+        if isinstance(backbone, dict):
+            backbone = functools.partial(_instantiate_from_spec, backbone)
+        if isinstance(optimizer, dict):
+            optimizer = functools.partial(_instantiate_from_spec, optimizer)
+        _keep_plain_hparams(self.hparams)  # checkpoints load with weights_only=True: plain values only
         self.task = task
         self.init_method = init
         self.optimizer_factory = optimizer
@@ -149,6 +207,15 @@ class MaskPriorModule(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """Per example: the prediction, and what the batch carries beside the inputs (target, unseen, mdi...)."""
+        output = self(batch["inputs"])
+        rows = self.objective.predict(output, batch)
+        for key, value in batch.items():
+            if key != "inputs" and isinstance(value, Tensor) and value.dim() >= 1 and len(value) == len(output):
+                rows.setdefault(key, value)
+        return rows
 
     # ------------------------------------------------------------------------- optimisation
     def configure_optimizers(self):

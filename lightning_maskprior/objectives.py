@@ -59,6 +59,10 @@ class RegressionObjective(Objective):
         if "mdi" in batch:
             self._update(metrics, "mdi_", batch["mdi"].float(), target)
 
+    def predict(self, output: Tensor, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        pred = output.squeeze(-1).float()
+        return {"prediction": pred, "label": nearest_label(pred, self.label_values)}
+
     def _update(self, metrics: MetricCollection, prefix: str, pred: Tensor, target: Tensor) -> None:
         correct = nearest_label(pred, self.label_values) == nearest_label(target, self.label_values)
         correct &= torch.isfinite(pred)  # a NaN prediction is wrong, whatever argmin makes of it
@@ -102,6 +106,9 @@ class DigitsObjective(Objective):
 
     def make_metrics(self) -> MetricCollection:
         return MetricCollection({"seq_acc": MeanMetric(), "digit_acc": MeanMetric()}, compute_groups=False)
+
+    def predict(self, output: Tensor, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"prediction": self.digit_logits(output).argmax(dim=-1)}
 
     def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
         logits = self.digit_logits(output)

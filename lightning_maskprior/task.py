@@ -32,6 +32,12 @@ class Objective(nn.Module):
     def update_metrics(self, metrics: MetricCollection, output: Tensor, batch: dict[str, Tensor]) -> None:
         raise NotImplementedError
 
+    def predict(self, output: Tensor, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Per-example predictions (``maskprior predict``): the output itself for one value, else its argmax."""
+        if output.dim() >= 2 and output.shape[-1] == 1:
+            return {"prediction": output.squeeze(-1)}
+        return {"prediction": output.argmax(dim=-1)}
+
     # The metric that names the best checkpoint and the one printed first after fit.
     monitor: str = "loss"
     monitor_mode: str = "min"

@@ -135,7 +135,7 @@ def image_steps(run) -> dict[str, list[int]]:
 
 
 def test_resume_continues_the_curves(tiny_args, tmp_path):
-    """Fit 2 epochs (checkpoint each), resume from the first to 3: no step missing or repeated."""
+    """Fit 2 epochs (checkpoint each), resume from the first to 3: same run directory, no step missing."""
     runs = tmp_path / "runs"
     common = ["--data.init_args.batch_size", "16", *callbacks_arg(every=1, checkpoint=True)]
     fit("mask", tiny_args, *common)
@@ -143,19 +143,28 @@ def test_resume_continues_the_curves(tiny_args, tmp_path):
     ckpt = first / "checkpoints/epoch=0-step=3.ckpt"
     assert ckpt.is_file(), sorted(p.name for p in (first / "checkpoints").iterdir())
     fit("mask", tiny_args, *common, "--trainer.max_epochs", "3", "--ckpt_path", str(ckpt))
-    before, after = read_scalars(first), read_scalars(runs / "lightning_logs/version_1")
+    assert sorted(p.name for p in (runs / "lightning_logs").iterdir()) == ["version_0"]  # continued, not new
+    events = sorted(first.glob("events.out.tfevents.*"))
+    assert len(events) == 2
+    after = read_scalars(first)  # both event files; TensorBoard's purge_step hides the first run's steps > 3
+    only_resumed = {}
+    for path in events[1:]:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        only_resumed = {t: [e.step for e in accumulator.Scalars(t)] for t in accumulator.Tags()["scalars"]}
     for tag in ("persistence/score", "persistence/open_mass/layer1/head2", "persistence/grad_prior/layer0/head0"):
-        resumed = steps(after[tag])
-        assert resumed == list(range(4, 10)), tag  # continues after the checkpoint's step 3
-        combined = [s for s in steps(before[tag]) if s <= 3] + resumed
-        assert combined == list(range(combined[0], 10)), tag
+        assert only_resumed[tag] == list(range(4, 10)), tag  # the resumed process continues after step 3
+        combined = steps(after[tag])
+        assert combined == list(range(combined[0], 10)) and combined[0] <= 1, tag  # gradients start at step 1
     # relative values stay relative to the first run's step 0
-    ref = before["persistence/open_mass/layer1/head2"][0][1]
+    ref = after["persistence/open_mass/layer1/head2"][0][1]
     mass = dict(after["persistence/open_mass/layer1/head2"])
     for step, rel in after["persistence/open_mass_rel/layer1/head2"]:
         assert rel == pytest.approx(mass[step] / ref, rel=1e-5)
-    assert image_steps(runs / "lightning_logs/version_1")["attention_maps/attention/layer0"] == [4, 6, 8]
-    state = torch.load(runs / "lightning_logs/version_1/checkpoints/epoch=2-step=9.ckpt", weights_only=False)
+    assert image_steps(first)["attention_maps/attention/layer0"][-3:] == [4, 6, 8]
+    state = torch.load(first / "checkpoints/epoch=2-step=9.ckpt", weights_only=False)
     persistence = next(v for k, v in state["callbacks"].items() if k.startswith("PriorPersistence"))
     assert [s for s, _ in persistence["history"]] == list(range(10))
     extrapolation = next(v for k, v in state["callbacks"].items() if k.startswith("ExtrapolationMonitor"))

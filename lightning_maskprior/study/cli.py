@@ -117,6 +117,19 @@ def build_parser():
         "--launcher_options", type=dict[str, Any] | None, default=None,
         help="The launcher's own settings (e.g. a SLURM partition and time limit); see the launcher's module.",
     )
+    parser.add_argument(
+        "--slurm", type=dict[str, Any] | None, default=None,
+        help="Settings of launcher slurm (used when launcher is slurm; launcher_options override them): cluster "
+        "(slurm, or local: submitit's LocalExecutor here), partition, gpus_per_node, cpus_per_task, mem_gb, time "
+        "(minutes), array_parallelism, job_name, log_folder (default <out_dir>/submitit), additional_parameters "
+        "(extra #SBATCH options), setup (shell lines), signal_delay_s, max_num_timeout. See README.",
+    )
+    parser.add_argument(
+        "--ray", type=dict[str, Any] | None, default=None,
+        help="Settings of launcher ray (used when launcher is ray): address (null: a Ray instance here; auto; "
+        "ray://<head>:10001), num_cpus and num_gpus per run, max_retries (after a lost worker or node), "
+        "runtime_env. The run directories must be on a filesystem every node sees. See README.",
+    )
     parser.add_argument("--dry_run", type=bool, default=False,
         help="Validate the study, parse every run's full fit command (a misspelled option fails here) and print "
         "the commands; run nothing.")

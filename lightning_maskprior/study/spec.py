@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_maskprior import paper_results
+from lightning_maskprior import config_files, paper_results
 
 
 class StudyError(ValueError):
@@ -82,6 +82,9 @@ def _resolve_path(value: Any, where: str, bases: list[Path]) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
+    packaged = None if path.is_absolute() else config_files.packaged(path)  # e.g. boolean/2parity.yaml
+    if packaged is not None:
+        return packaged.resolve()
     looked = ", ".join(str(c) for c in candidates)
     raise StudyError(f"{where}: config {str(value)!r} does not exist (looked for {looked})")
 
@@ -238,6 +241,10 @@ def load_study(cfg: Any, path: Path | None = None, known_inits: set[str] | None 
     options = cfg.get("launcher_options") or {}
     if not isinstance(options, dict):
         raise StudyError(f"launcher_options: must be a mapping of the launcher's settings, got {options!r}")
+    own = cfg.get(launcher) if launcher in ("slurm", "ray") else None  # the study file's `slurm:` / `ray:` mapping
+    if own is not None and not isinstance(own, dict):
+        raise StudyError(f"{launcher}: must be a mapping of the {launcher} launcher's settings, got {own!r}")
+    options = {**(own or {}), **options}  # launcher_options (e.g. on the command line) win
     threads = cfg.get("threads_per_run")
     if threads is None:
         threads = _default_threads(parallel)

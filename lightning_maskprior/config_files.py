@@ -1,0 +1,116 @@
+"""The packaged configs (``configs/`` of the repository, installed as ``lightning_maskprior/configs``).
+
+``-c NAME`` resolves from any directory: ``NAME`` itself if that file exists (relative to the current
+directory), else ``./configs/NAME``, else the packaged ``NAME`` (a leading ``configs/`` is accepted), so
+``maskprior fit -c boolean/2parity.yaml -c init/mask.yaml`` works after a plain ``pip install``, and a local
+copy (``maskprior configs copy boolean/2parity.yaml``) wins over the packaged one.
+
+    maskprior configs                            list the packaged configs
+    maskprior configs show boolean/2parity.yaml  print one
+    maskprior configs copy boolean/2parity.yaml  copy it to ./configs/boolean/2parity.yaml to edit
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+_CONFIG_OPTIONS = ("-c", "--config")
+
+
+def packaged_dir() -> Path:
+    """Where the packaged configs are: inside the installed package, or ``configs/`` of a clone."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parent / "configs"):
+        if candidate.is_dir():
+            return candidate
+    return here / "configs"
+
+
+def packaged(name: str | Path) -> Path | None:
+    """The packaged config ``name`` (e.g. ``boolean/2parity.yaml`` or ``configs/boolean/2parity.yaml``), or None."""
+    parts = Path(name).parts
+    if not parts or Path(name).is_absolute() or ".." in parts:
+        return None
+    if parts[0] == "configs" and len(parts) > 1:
+        parts = parts[1:]
+    path = packaged_dir().joinpath(*parts)
+    return path if path.is_file() else None
+
+
+def resolve(name: str | Path, base: Path | None = None) -> Path | None:
+    """The file ``-c name`` means: ``base/name``, else ``base/configs/name``, else the packaged one; None if none."""
+    base = Path.cwd() if base is None else base
+    path = Path(name).expanduser()
+    for candidate in (path if path.is_absolute() else base / path, base / "configs" / path):
+        if candidate.is_file():
+            return candidate
+    return packaged(name)
+
+
+def resolve_argv(argv: list[str]) -> list[str]:
+    """``argv`` with every ``-c`` / ``--config`` value that is not a file here replaced by the packaged config."""
+    out = list(argv)
+    for index, arg in enumerate(out):
+        option, equals, value = arg.partition("=")
+        if option not in _CONFIG_OPTIONS:
+            continue
+        if equals:
+            found = _replacement(value)
+            if found is not None:
+                out[index] = f"{option}={found}"
+        elif index + 1 < len(out):
+            found = _replacement(out[index + 1])
+            if found is not None:
+                out[index + 1] = found
+    return out
+
+
+def _replacement(value: str) -> str | None:
+    if not value or value.lstrip().startswith(("{", "[")) or Path(value).expanduser().is_file():
+        return None  # inline YAML or a file that exists here: left as given
+    found = resolve(value)
+    return None if found is None else str(found)
+
+
+def names() -> list[str]:
+    """Every packaged config, as the short name ``-c`` takes."""
+    root = packaged_dir()
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.yaml"))
+
+
+def main(argv: list[str]) -> None:
+    """``maskprior configs``: list, show or copy out the packaged configs."""
+    parser = argparse.ArgumentParser(prog="maskprior configs", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="action")
+    sub.add_parser("list", help="list the packaged configs (the default)")
+    show = sub.add_parser("show", help="print a packaged config")
+    show.add_argument("name")
+    copy = sub.add_parser("copy", help="copy a packaged config out, to edit it")
+    copy.add_argument("name")
+    copy.add_argument("dest", nargs="?", help="file or folder (default: ./configs/NAME, which then wins over the "
+                      "packaged one)")
+    copy.add_argument("--force", action="store_true", help="overwrite an existing file")
+    args = parser.parse_args(argv)
+    if args.action in (None, "list"):
+        print(f"packaged configs ({packaged_dir()}); use as maskprior fit -c NAME [-c NAME ...]:")
+        for name in names():
+            print(f"  {name}")
+        return
+    source = packaged(args.name)
+    if source is None:
+        parser.exit(2, f"maskprior configs: no packaged config {args.name!r}; `maskprior configs` lists them\n")
+    if args.action == "show":
+        print(source.read_text(encoding="utf-8"), end="")
+        return
+    rel = source.relative_to(packaged_dir())
+    dest = Path(args.dest) if args.dest else Path("configs") / rel
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not args.force:
+        parser.exit(2, f"maskprior configs: {dest} exists; give --force to overwrite it\n")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, dest)
+    print(f"copied {rel} to {dest}")

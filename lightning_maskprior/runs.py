@@ -1,0 +1,52 @@
+"""Reopen a finished run: ``load_run(run_dir)`` returns the trained module and its datamodule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LAST = "last.ckpt"
+
+
+def find_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint of a run: ``checkpoints/last.ckpt``, else the newest ``.ckpt`` (newest run directory first)."""
+    run_dir = Path(run_dir)
+    if run_dir.is_file():
+        return run_dir
+    dirs = [run_dir / "checkpoints"] if (run_dir / "checkpoints").is_dir() else sorted(
+        run_dir.rglob("checkpoints"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for directory in dirs:
+        if (directory / LAST).is_file():
+            return directory / LAST
+        found = sorted(directory.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        if found:
+            return found[-1]
+    raise FileNotFoundError(f"no checkpoint under {run_dir} (looked for checkpoints/{LAST} and */checkpoints/*.ckpt)")
+
+
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_location: Any = "cpu"):
+    """``(module, datamodule)`` of a finished run, the module in eval mode and the datamodule set up to validate.
+
+    Args:
+        run_dir: A run directory (``runs/lightning_logs/version_N``, or a study run's directory holding one).
+        checkpoint: Which checkpoint (default: ``last.ckpt``, else the newest one).
+        map_location: Where the weights go (default: the CPU).
+
+    The datamodule is built from the run's ``config.yaml`` (the checkpoint's copy of it when there is none).
+    """
+    from lightning_maskprior.module import MaskPriorModule, build_datamodule
+
+    ckpt = Path(checkpoint) if checkpoint is not None else find_checkpoint(run_dir)
+    module = MaskPriorModule.load_from_checkpoint(ckpt, map_location=map_location)
+    module.eval()
+    spec = module.hparams.get("datamodule")
+    config = ckpt.parent.parent / "config.yaml"
+    if config.is_file():
+        data = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("data")
+        if isinstance(data, dict) and data.get("class_path"):
+            spec = data
+    datamodule = build_datamodule(spec)
+    datamodule.setup("validate")
+    return module, datamodule
