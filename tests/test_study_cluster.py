@@ -27,7 +27,7 @@ TINY = [
     "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
     "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
     "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
-    "--trainer.max_epochs", "150", "--trainer.check_val_every_n_epoch", "50",
+    "--trainer.max_epochs", "150", "--trainer.check_val_every_n_epoch", "10",
     "--trainer.enable_model_summary", "false", "--trainer.callbacks", "null",
 ]
 TIMEOUT_S = 300
@@ -126,6 +126,12 @@ class StudyThread(threading.Thread):
 
 
 @pytest.fixture(scope="module")
+def submitit_installed():
+    """Skips (before the costly fixtures) without submitit."""
+    return pytest.importorskip("submitit")
+
+
+@pytest.fixture(scope="module")
 def local_table(tmp_path_factory):
     """The local launcher's table for the tiny study: what every engine must reproduce."""
     out = tmp_path_factory.mktemp("local") / "out"
@@ -188,11 +194,13 @@ def test_slurm_options_become_the_sbatch_script(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------- SLURM (submitit's LocalExecutor)
-def test_slurm_launcher_requeues_preempted_runs_and_matches_the_local_table(tmp_path, local_table):
+def test_slurm_launcher_requeues_preempted_runs_and_matches_the_local_table(tmp_path, submitit_installed, local_table):
     """Both runs are interrupted mid-training as SLURM would: one preempted (SIGTERM to every process, then
     submitit's USR2), one at its time limit (USR2 only: the job's checkpoint() stops the cell). submitit
     requeues both, the cells resume from last.ckpt, and the table equals the local launcher's."""
-    pytest.importorskip("submitit")
+    from submitit.core.job_environment import JobEnvironment
+
+    requeue_signal = JobEnvironment._usr_sig()  # USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise
     out = tmp_path / "out"
     study = StudyThread(tiny_study(out, "slurm", {"cluster": "local", "time": 15}))
     study.start()
@@ -206,8 +214,8 @@ def test_slurm_launcher_requeues_preempted_runs_and_matches_the_local_table(tmp_
     # SLURM, a SIGTERM to the job is the study's stop, so only the cell gets it), then submitit's signal.
     os.kill(cells[preempted], signal.SIGTERM)
     time.sleep(0.5)
-    os.kill(jobs[preempted], signal.SIGUSR2)  # ...then submitit's signal: checkpoint and requeue
-    os.kill(jobs[timed_out], signal.SIGUSR2)  # time limit: only submitit's signal
+    os.kill(jobs[preempted], requeue_signal)  # ...then submitit's signal: checkpoint and requeue
+    os.kill(jobs[timed_out], requeue_signal)  # time limit: only submitit's signal
     assert study.finish() == 0
 
     by_run = results(out)
@@ -231,7 +239,7 @@ def ray_instance():
     ray.shutdown()
 
 
-def test_ray_launcher_retries_a_lost_worker_and_matches_the_local_table(tmp_path, local_table, ray_instance):
+def test_ray_launcher_retries_a_lost_worker_and_matches_the_local_table(tmp_path, ray_instance, local_table):
     """One Ray task per run; the worker of one run is killed mid-training (as when a node dies): Ray runs the
     task again, the new cell resumes from the last.ckpt the old one saved, and the table equals the local one."""
     out = tmp_path / "out"

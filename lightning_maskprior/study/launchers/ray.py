@@ -150,11 +150,11 @@ class RayLauncher(Launcher):
     def init_kwargs(self) -> dict[str, Any]:
         """``ray.init``'s arguments for this study."""
         address = self.options["address"]
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if address is None:  # a private instance, sized so that ``parallel`` runs fit at once
-            kwargs.update(address="local", num_cpus=max(1, int(self.study.parallel * max(self.num_cpus, 1))))
-        else:
-            kwargs["address"] = address
+            kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False, "log_to_driver": False,
+                                      "num_cpus": max(1, int(self.study.parallel * max(self.num_cpus, 1)))}
+        else:  # an existing cluster (or Ray Client): its own settings stand
+            kwargs = {"address": address}
         if self.options["runtime_env"] is not None:
             kwargs["runtime_env"] = dict(self.options["runtime_env"])
         return kwargs
