@@ -1,31 +1,41 @@
-"""lightning-maskprior: structural priors in transformer attention, as a learnable mask or in Wq/Wk."""
+"""lightning-maskprior: structural priors in transformer attention, as a learnable mask or in Wq/Wk.
 
-from lightning_maskprior.attention import PriorAttention, attention_layers, attention_probabilities
-from lightning_maskprior.inits import INIT_METHODS, apply_init, register_init
-from lightning_maskprior.priors import Structure, StructureSpec
-from lightning_maskprior.task import Objective, TaskSpec
+The public names below are imported on first use: ``import lightning_maskprior.<light module>`` (the study's
+cell, a SLURM job, ``run_status``) then does not pay for importing torch and Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_EXPORTS = {
+    "PriorAttention": "attention",
+    "attention_layers": "attention",
+    "attention_probabilities": "attention",
+    "INIT_METHODS": "inits",
+    "apply_init": "inits",
+    "register_init": "inits",
+    "Structure": "priors",
+    "StructureSpec": "priors",
+    "Objective": "task",
+    "TaskSpec": "task",
+    "load_run": "runs",
+}
+
 
 def __getattr__(name: str):
-    if name == "load_run":  # imported on first use: it needs Lightning
-        from lightning_maskprior.runs import load_run
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # imported once
+    return value
 
-        return load_run
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = [
-    "INIT_METHODS",
-    "Objective",
-    "PriorAttention",
-    "Structure",
-    "StructureSpec",
-    "TaskSpec",
-    "apply_init",
-    "attention_layers",
-    "attention_probabilities",
-    "load_run",
-    "register_init",
-]
+__all__ = sorted(_EXPORTS)
