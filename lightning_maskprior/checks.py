@@ -144,9 +144,25 @@ def _check_checkpoint_file(path: Path) -> None:
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A Lightning checkpoint loaded safely (tensors and plain values only), or an error naming the file."""
+    """A Lightning checkpoint loaded safely (tensors and plain values only), or an error naming the file.
+
+    One ``maskprior`` command reads its ``ckpt_path`` at several points before Lightning loads it (checked
+    before parsing, hyperparameters, the step to continue the logs from, the fit with the model). The last
+    file read is kept (memory-mapped), so that is one read, whatever the checkpoint's size.
+    """
     path = Path(path)
     _check_checkpoint_file(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if _LAST_READ.get("key") != key:
+        _LAST_READ.update(key=key, checkpoint=_read_checkpoint(path))
+    return _LAST_READ["checkpoint"]
+
+
+_LAST_READ: dict[str, Any] = {}
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:

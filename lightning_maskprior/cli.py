@@ -25,7 +25,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_maskprior import checks, config_files, run_status
 from lightning_maskprior.callbacks import PredictionWriter
 from lightning_maskprior.module import MaskPriorModule
-from lightning_maskprior.resume import LAST, Diverged, RunGuard
+from lightning_maskprior.resume import Diverged, RunGuard
+from lightning_maskprior.runs import LAST, newest_last_checkpoint
 
 
 class MaskPriorCLI(LightningCLI):
@@ -44,7 +45,7 @@ class MaskPriorCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if not ckpt_path or not Path(ckpt_path).is_file():
             return
-        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams = checks.read_checkpoint(ckpt_path).get("hyper_parameters", {})
         hparams = {k: v for k, v in hparams.items() if k not in _CONFIG_ONLY_HPARAMS}
         if not hparams:
             return
@@ -125,11 +126,11 @@ def _continue_run_directory(config) -> None:
         return
     root = Path(config.trainer.get("default_root_dir") or ".")
     if ckpt == "last":
-        found = sorted(root.glob(f"*/*/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime)
-        if not found:
+        found = newest_last_checkpoint(root)
+        if found is None:
             raise SystemExit(f"maskprior: --ckpt_path last: no {LAST} under {root}/*/*/checkpoints/; train from "
                              "scratch (omit --ckpt_path) or give a checkpoint file")
-        config.ckpt_path = ckpt = str(found[-1])
+        config.ckpt_path = ckpt = str(found)
         print(f"resuming from {ckpt}", flush=True)
     path = Path(ckpt)
     if path.parent.name != "checkpoints" or not path.is_file():
@@ -140,10 +141,7 @@ def _continue_run_directory(config) -> None:
         is_tensorboard = getattr(logger, "class_path", "").endswith("TensorBoardLogger")
         if not is_tensorboard or logger.init_args.get("version") is not None:
             return  # a logger the user chose: leave it alone
-    try:
-        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
-    except Exception:  # unreadable here: Lightning's own load will report it
-        step = None
+    step = checks.read_checkpoint(path).get("global_step")
     init_args = {"save_dir": str(version_dir.parent.parent), "name": version_dir.parent.name,
                  "version": version_dir.name}
     if step:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-LAST = "last.ckpt"
+from lightning_maskprior.runs import LAST
 
 
 class Diverged(RuntimeError):

@@ -7,7 +7,16 @@ from typing import Any
 
 import yaml
 
-LAST = "last.ckpt"
+LAST = "last.ckpt"  # what every fit keeps in <run directory>/checkpoints/
+
+
+def newest_last_checkpoint(root: str | Path) -> Path | None:
+    """The newest ``<root>/<name>/<version>/checkpoints/last.ckpt`` (e.g. under ``runs/lightning_logs``), or None.
+
+    What ``--ckpt_path last`` resumes, and what a study's cell resumes an interrupted run from.
+    """
+    found = sorted(Path(root).glob(f"*/*/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
 
 
 def find_checkpoint(run_dir: str | Path) -> Path:
