@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_maskprior.run_status import status_from_returncode
-from lightning_maskprior.study.launchers import die_with_parent, write_json
+from lightning_maskprior.runs import find_checkpoint, newest_last_checkpoint
+from lightning_maskprior.study.launchers import start_child, write_json
 
 if TYPE_CHECKING:
     from lightning_maskprior.study.spec import Run
@@ -66,9 +67,7 @@ def _read_json(path: Path) -> dict | None:
 
 def resume_checkpoint(run_dir: Path) -> Path | None:
     """The ``last.ckpt`` an interrupted fit left in ``run_dir`` (the newest, if several), or None."""
-    ckpts = Path(run_dir).glob("lightning_logs/version_*/checkpoints/last.ckpt")
-    ckpts = sorted(ckpts, key=lambda p: p.stat().st_mtime)
-    return ckpts[-1] if ckpts else None
+    return newest_last_checkpoint(run_dir)
 
 
 def prepare_run(run: Run, threads: int | None = None) -> str:
@@ -106,12 +105,6 @@ def _fit_dir(run_dir: Path) -> Path | None:
     """The fit's log directory: the newest version_* under lightning_logs with a config.yaml."""
     dirs = [p.parent for p in run_dir.glob("lightning_logs/version_*/config.yaml")]
     return max(dirs, key=lambda p: p.stat().st_mtime) if dirs else None
-
-
-def _final_checkpoint(log_dir: Path) -> Path | None:
-    ckpts = sorted(log_dir.rglob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-    last = [p for p in ckpts if p.name == "last.ckpt"]
-    return (last or ckpts or [None])[-1]
 
 
 def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
@@ -152,8 +145,8 @@ def _run_child(args: list[str], stem: Path, threads: int | None, children: _Chil
             env["OMP_NUM_THREADS"] = str(threads)
         if children.signal is not None:  # asked to stop before this stage started
             return 128 + children.signal
-        process = subprocess.Popen([sys.executable, "-m", "lightning_maskprior.cli", *args], stdout=out,
-                                   stderr=err, env=env, preexec_fn=die_with_parent(), start_new_session=True)
+        process = start_child([sys.executable, "-m", "lightning_maskprior.cli", *args], stdout=out, stderr=err,
+                              env=env, start_new_session=True)
         children.process = process
         if children.signal is not None:  # a signal came between the check above and Popen
             children.forward(children.signal)
@@ -237,7 +230,10 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
     error = tail(run_dir / "fit.err") if rc != 0 else ""
     if rc == 0 and spec.get("test", True):
         stage = "test"
-        ckpt = _final_checkpoint(fit_dir) if fit_dir is not None else None
+        try:
+            ckpt = find_checkpoint(fit_dir) if fit_dir is not None else None
+        except FileNotFoundError:
+            ckpt = None
         if ckpt is None:
             rc, error = 1, f"no checkpoint found under {run_dir} to test"
         else:

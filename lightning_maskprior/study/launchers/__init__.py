@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -66,26 +67,75 @@ def cell_command(run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "lightning_maskprior.study.cell", str(run_dir)]
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` for Popen: the child gets ``sig`` when its parent dies, even by SIGKILL (Linux
-    ``prctl(PR_SET_PDEATHSIG)``; None elsewhere). The signal fires when the *thread* that started the child
-    exits, so start children from a thread that outlives them (the launcher's own loop, not a pool worker)."""
-    if not sys.platform.startswith("linux"):
-        return None
+#: How long a cell (or a cell's fit) gets to save ``last.ckpt`` and exit after SIGTERM before it is killed.
+STOP_TIMEOUT_S = 80.0
+
+# Runs in the child between fork and the command (an exec trampoline, not a ``preexec_fn``, which is unsafe in
+# threaded processes such as Ray workers): ignore the signals named in argv[1] (an ignored signal stays ignored
+# across exec), ask Linux to SIGTERM this process when the process argv[2] dies (even by SIGKILL), then exec.
+_TRAMPOLINE = """\
+import os, signal, sys
+for name in filter(None, sys.argv[1].split(',')):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+if sys.platform.startswith('linux'):
     import ctypes
-
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now: the child only calls it
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
+        pass
+    if os.getppid() != int(sys.argv[2]):
+        sys.exit(143)  # the starter died before prctl took effect: nobody would stop this process
+os.execv(sys.argv[3], sys.argv[3:])
+"""
 
-    def preexec() -> None:
-        prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl took effect: nobody will send sig
-            os.kill(os.getpid(), sig)
 
-    return preexec
+def start_child(command: list[str], ignore: tuple[str, ...] = (), **popen_kwargs: Any) -> subprocess.Popen:
+    """``Popen(command)`` whose process gets SIGTERM when this process dies, even by SIGKILL (Linux PDEATHSIG).
+
+    ``command[0]`` is the executable's path (e.g. ``sys.executable``). ``ignore``: signal names the child
+    and everything it starts ignore (e.g. ``("SIGUSR2",)``, submitit's requeue signal). The signal fires when
+    the *thread* that started the child exits, so start children from a thread that outlives them.
+    """
+    return subprocess.Popen([sys.executable, "-c", _TRAMPOLINE, ",".join(ignore), str(os.getpid()), *command],
+                            **popen_kwargs)
+
+
+def start_cell(command: list[str], env: dict[str, str], ignore: tuple[str, ...] = (), **popen_kwargs: Any
+               ) -> subprocess.Popen:
+    """Start a cell ``command`` (``cell_command(run_dir)``), stdout and stderr appended to ``<run_dir>/cell.log``."""
+    with open(Path(command[-1]) / "cell.log", "a") as log:
+        return start_child(command, ignore, stdout=log, stderr=subprocess.STDOUT, env=env, **popen_kwargs)
+
+
+def has_exited(process: subprocess.Popen) -> bool:
+    """Whether the child has ended, without reaping it or taking Popen's lock (safe in a signal handler that
+    interrupted ``process.wait()``)."""
+    if process.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
+def end_cell(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM the cell (it saves ``last.ckpt``, records itself as interrupted and exits), SIGKILL it after
+    ``timeout`` seconds. Usable from a signal handler."""
+    if has_exited(process):
+        return
+    try:
+        os.kill(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + timeout
+    while not has_exited(process):
+        if time.time() > deadline:
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = float("inf")
+        time.sleep(0.1)
 
 
 def finished_result(run: Run, returncode: int | None, error: str = "") -> dict:

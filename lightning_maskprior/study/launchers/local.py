@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from lightning_maskprior.study.launchers import Launcher, OnResult, cell_command, die_with_parent, finished_result
+from lightning_maskprior.study.launchers import Launcher, OnResult, cell_command, finished_result, start_cell
 from lightning_maskprior.study.spec import Run, Study, StudyError
 
 POLL_SECONDS = 0.2
@@ -73,16 +73,13 @@ class LocalLauncher(Launcher):
         return env
 
     def _start(self, run: Run, slot: tuple[str, ...] | None) -> None:
-        with open(run.dir / "cell.log", "a") as log:
-            with self.lock:
-                if self.stopping.is_set():
-                    return
-                # Started from the thread that runs the loop (PDEATHSIG follows the starting thread) and in a
-                # session of its own: a Ctrl-C in the terminal reaches the study only, which stops the cells.
-                process = subprocess.Popen(cell_command(run.dir), stdout=log, stderr=subprocess.STDOUT,
-                                           env=self.environment(slot), preexec_fn=die_with_parent(),
-                                           start_new_session=True)
-                self.live[process] = (run, slot)
+        with self.lock:
+            if self.stopping.is_set():
+                return
+            # Started from the thread that runs the loop (PDEATHSIG follows the starting thread) and in a
+            # session of its own: a Ctrl-C in the terminal reaches the study only, which stops the cells.
+            process = start_cell(cell_command(run.dir), self.environment(slot), start_new_session=True)
+            self.live[process] = (run, slot)
 
     def run(self, runs: list[Run], on_result: OnResult) -> None:
         queue = list(runs)

@@ -27,8 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_maskprior.study.launchers import Launcher, OnResult, cell_command, finished_result
-from lightning_maskprior.study.launchers.slurm import STOP_TIMEOUT_S, end_cell, start_cell
+from lightning_maskprior.study.launchers import (
+    STOP_TIMEOUT_S,
+    Launcher,
+    OnResult,
+    cell_command,
+    end_cell,
+    finished_result,
+    start_cell,
+)
 
 INSTALL_HINT = 'pip install "lightning-maskprior[cluster]" (or: pip install ray)'
 def _processes_of(run_dir: Path) -> list[int]:

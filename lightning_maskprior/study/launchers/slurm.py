@@ -27,14 +27,22 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from lightning_maskprior.run_status import INTERRUPTED_CODES
-from lightning_maskprior.study.launchers import Launcher, OnResult, cell_command, finished_result
+from lightning_maskprior.study.launchers import (
+    STOP_TIMEOUT_S,
+    Launcher,
+    OnResult,
+    cell_command,
+    end_cell,
+    finished_result,
+    has_exited,
+    start_cell,
+)
 
 try:  # the optional extra: pip install "lightning-maskprior[cluster]"
     from submitit.helpers import Checkpointable, DelayedSubmission
@@ -43,72 +51,12 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 INSTALL_HINT = 'pip install "lightning-maskprior[cluster]" (or: pip install submitit)'
 
-#: How long a cell gets to save ``last.ckpt`` and exit after SIGTERM before it is killed.
-STOP_TIMEOUT_S = 80.0
 #: A cell that stopped on a SIGTERM it got from SLURM directly (preemption) waits this long for submitit's
 #: requeue signal, which follows the SIGTERM; without one (scancel, or no requeue) the job ends as interrupted.
 REQUEUE_WAIT_S = 30.0
 
 
 # ------------------------------------------------------------------------------------- inside the job
-def start_cell(command: list[str], env: dict[str, str], ignore: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start a cell ``command`` (``cell_command(run_dir)``) with stdout/stderr appended to ``<run_dir>/cell.log``.
-
-    The command goes through a small exec trampoline (no ``preexec_fn``, which is unsafe in threaded processes
-    such as Ray workers): it ignores the signals named in ``ignore`` (an ignored signal stays ignored across
-    exec, for the cell and its fit and test) and asks Linux to SIGTERM the cell if this process dies.
-    """
-    run_dir = Path(command[-1])
-    trampoline = (
-        "import os, signal, sys\n"
-        "for name in filter(None, sys.argv[1].split(',')):\n"
-        "    signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
-        "if sys.platform.startswith('linux'):\n"
-        "    import ctypes\n"
-        "    try:\n"
-        "        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG\n"
-        "    except (OSError, AttributeError):\n"
-        "        pass\n"
-        "    if os.getppid() != int(sys.argv[2]):\n"
-        "        sys.exit(143)  # the launcher died before prctl took effect\n"
-        "os.execv(sys.argv[3], sys.argv[3:])\n"
-    )
-    with open(run_dir / "cell.log", "a") as log:
-        return subprocess.Popen([sys.executable, "-c", trampoline, ",".join(ignore), str(os.getpid()), *command],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def has_exited(process: subprocess.Popen) -> bool:
-    """Whether the child has ended, without reaping it or taking Popen's lock (safe in a signal handler that
-    interrupted ``process.wait()``)."""
-    if process.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped already
-        return True
-
-
-def end_cell(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM the cell (it saves ``last.ckpt``, records itself as interrupted and exits), SIGKILL it after
-    ``timeout`` seconds. Usable from a signal handler."""
-    if has_exited(process):
-        return
-    try:
-        os.kill(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.time() + timeout
-    while not has_exited(process):
-        if time.time() > deadline:
-            try:
-                os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            deadline = float("inf")
-        time.sleep(0.1)
-
-
 class CellJob(Checkpointable):
     """What each SLURM job runs: ``CellJob(threads)(run_dir, cell_command(run_dir))`` executes the run's cell as
     a child process and returns its exit code; the run's result is the cell's ``<run_dir>/result.json``.
@@ -309,11 +257,6 @@ class SlurmLauncher(Launcher):
         if not runs:
             return
         executor = self.executor()
-        # The job process only unpickles CellJob: pickled by value, it does not import this package (and torch)
-        # there; the cell does.
-        import cloudpickle
-
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
         job_fn = CellJob(self.threads)
         queue = list(runs)
         limit = (self.options["array_parallelism"] or self.study.parallel) if self.local else len(queue)
