@@ -33,12 +33,12 @@ def build_datamodule(spec: dict[str, Any]) -> L.LightningDataModule:
     """The datamodule ``{class_path, init_args}`` describes (as the CLI's config and the checkpoints hold it)."""
     if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
         raise ValueError(f"datamodule must be a mapping with a class_path and init_args, got {spec!r}")
-    return instantiate_class((), {"class_path": spec["class_path"], "init_args": dict(spec.get("init_args") or {})})
+    return _instantiate_from_spec(spec)
 
 
-def _instantiate_from_spec(spec: dict[str, Any], first: Any) -> Any:
-    init = {"class_path": spec["class_path"], "init_args": dict(spec.get("init_args") or {})}
-    return instantiate_class((first,), init)
+def _instantiate_from_spec(spec: dict[str, Any], *args: Any) -> Any:
+    """``class_path(*args, **init_args)`` of a ``{class_path, init_args}`` spec."""
+    return instantiate_class(args, {"class_path": spec["class_path"], "init_args": dict(spec.get("init_args") or {})})
 
 
 def _is_plain(value: Any) -> bool:
