@@ -14,16 +14,19 @@ CONFIGS = ROOT / "configs"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# A Boolean config shrunk to a seconds-long run: n = 6 (64 points), a width-16, 2-layer model.
+TINY_BOOLEAN = [
+    "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
+    "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
+    "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
+]  # fmt: skip
+
+
 @pytest.fixture
 def tiny_args(tmp_path) -> list[str]:
     """CLI overrides that shrink a Boolean config to a seconds-long run."""
     return [
-        "--data.init_args.n", "6",
-        "--data.init_args.eval_batch_size", "64",
-        "--model.backbone.init_args.dim", "16",
-        "--model.backbone.init_args.depth", "2",
-        "--model.backbone.init_args.head_dim", "8",
-        "--model.backbone.init_args.mlp_dim", "32",
+        *TINY_BOOLEAN,
         "--trainer.max_epochs", "2",
         "--trainer.check_val_every_n_epoch", "1",
         "--trainer.enable_progress_bar", "false",

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CONFIGS
+from conftest import CONFIGS, TINY_BOOLEAN
 from lightning_maskprior import checks
 from lightning_maskprior.checks import CheckpointError
 from lightning_maskprior.cli import main
@@ -33,9 +33,7 @@ MASK = str(CONFIGS / "init/mask.yaml")
 # "@name" in an argument is replaced by the path of file ``name`` made by the ``files`` fixture; "@runs" is the
 # test's own run directory, which must stay empty: every case fails before a run directory is made.
 TINY = [
-    "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
-    "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
-    "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
+    *TINY_BOOLEAN,
     "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1", "--trainer.callbacks", "null",
     "--trainer.enable_model_summary", "false", "--trainer.enable_progress_bar", "false",
     "--trainer.default_root_dir", "@runs",

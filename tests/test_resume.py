@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, ROOT
+from conftest import CONFIGS, ROOT, TINY_BOOLEAN
 from lightning_maskprior import run_status
 from lightning_maskprior.cli import main
 from lightning_maskprior.tensorboard import read_scalars
@@ -26,10 +26,8 @@ COMMON = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summ
           "--trainer.log_every_n_steps", "1"]
 
 BOOLEAN = ["-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
-           "--data.init_args.n", "6", "--data.init_args.batch_size", "16", "--data.init_args.eval_batch_size", "64",
-           "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
-           "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
-           "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "1", *COMMON]  # 3 batches per epoch
+           *TINY_BOOLEAN, "--data.init_args.batch_size", "16",  # 3 batches per epoch
+           "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "1", *COMMON]
 ARITHMETIC = ["-c", str(CONFIGS / "arithmetic/addition.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
               "--data.init_args.num_digits", "2", "--data.init_args.train_fraction", "0.05",
               "--data.init_args.val_size", "200", "--data.init_args.eval_batch_size", "200",

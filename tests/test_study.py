@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CONFIGS, ROOT
+from conftest import CONFIGS, ROOT, TINY_BOOLEAN
 from lightning_maskprior import paper_results
 from lightning_maskprior.cli import main
 from lightning_maskprior.inits import INIT_METHODS
@@ -34,9 +34,7 @@ from lightning_maskprior.study.launchers import cell_command
 from lightning_maskprior.study.launchers import local as local_launcher
 
 TINY = [
-    "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
-    "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
-    "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
+    *TINY_BOOLEAN,
     "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1",
     "--trainer.enable_model_summary", "false", "--trainer.callbacks", "null",
 ]

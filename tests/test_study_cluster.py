@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS
+from conftest import CONFIGS, TINY_BOOLEAN
 from lightning_maskprior.study import StudyError, load_study, run_study
 from lightning_maskprior.study.launchers import get_launcher
 
@@ -24,9 +24,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="fi
 
 # 150 one-step epochs: a few seconds of training, long enough to interrupt a run in the middle.
 TINY = [
-    "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",
-    "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
-    "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "32",
+    *TINY_BOOLEAN,
     "--trainer.max_epochs", "150", "--trainer.check_val_every_n_epoch", "10",
     "--trainer.enable_model_summary", "false", "--trainer.callbacks", "null",
 ]
