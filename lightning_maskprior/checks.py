@@ -19,6 +19,8 @@ import torch
 import yaml
 from torch import nn
 
+from lightning_maskprior.config_files import option_values
+
 # ckpt_path values Lightning resolves itself (not files).
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
 
@@ -40,7 +42,7 @@ def check_argv(argv: list[str]) -> None:
 def _check_argv(argv: list[str]) -> None:
     what = "study file" if argv[:1] == ["study"] else "config"
     ckpt_path = weights_only = None
-    for option, value in _options_in(argv):
+    for _, option, value, _ in option_values(argv, ("-c", "--config", "--ckpt_path", "--weights_only")):
         if option in ("-c", "--config"):
             content = check_yaml_file(value, what) or {}
             if "ckpt_path" in content:
@@ -53,16 +55,6 @@ def _check_argv(argv: list[str]) -> None:
     if argv[:1] != ["study"]:
         # LightningCLI reads the checkpoint's hyperparameters right after parsing, before any hook of ours.
         check_ckpt_path(ckpt_path, None, weights_only)
-
-
-def _options_in(argv: list[str]) -> Iterator[tuple[str, str]]:
-    for index, arg in enumerate(argv):
-        option, equals, value = arg.partition("=")
-        if option in ("-c", "--config", "--ckpt_path", "--weights_only"):
-            if equals:
-                yield option, value
-            elif index + 1 < len(argv):
-                yield option, argv[index + 1]
 
 
 def check_yaml_file(path: str | Path, what: str = "config") -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 _CONFIG_OPTIONS = ("-c", "--config")
@@ -49,21 +50,28 @@ def resolve(name: str | Path, base: Path | None = None) -> Path | None:
     return packaged(name)
 
 
+def option_values(argv: list[str], options: tuple[str, ...]) -> Iterator[tuple[int, str, str, bool]]:
+    """``(index, option, value, inline)`` of each ``--opt value`` / ``--opt=value`` in ``argv`` for ``options``.
+
+    ``index`` is the argument holding the value: the option's own (``inline``, ``--opt=value``) or the next one.
+    """
+    for index, arg in enumerate(argv):
+        option, equals, value = arg.partition("=")
+        if option not in options:
+            continue
+        if equals:
+            yield index, option, value, True
+        elif index + 1 < len(argv):
+            yield index + 1, option, argv[index + 1], False
+
+
 def resolve_argv(argv: list[str]) -> list[str]:
     """``argv`` with every ``-c`` / ``--config`` value that is not a file here replaced by the packaged config."""
     out = list(argv)
-    for index, arg in enumerate(out):
-        option, equals, value = arg.partition("=")
-        if option not in _CONFIG_OPTIONS:
-            continue
-        if equals:
-            found = _replacement(value)
-            if found is not None:
-                out[index] = f"{option}={found}"
-        elif index + 1 < len(out):
-            found = _replacement(out[index + 1])
-            if found is not None:
-                out[index + 1] = found
+    for index, option, value, inline in option_values(argv, _CONFIG_OPTIONS):
+        found = _replacement(value)
+        if found is not None:
+            out[index] = f"{option}={found}" if inline else found
     return out
 
 
