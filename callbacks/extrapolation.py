@@ -22,11 +22,15 @@ class ExtrapolationMonitor(Callback):
     Reads batches that carry ``target``, ``unseen`` (Boolean) and ``mdi`` (the min-degree
     interpolator's value), as BooleanGOTUDataModule's validation batches do, and logs:
 
+    - ``extrapolation/closer_to_mdi``: fraction of unseen points where the prediction is strictly
+      closer to the MDI than to the truth (1 = the model learned the MDI, 0 = it extrapolates).
     - ``extrapolation/unseen_acc``: accuracy of the nearest admissible label on unseen points
       (the module objective's ``label_values``; nearest integer if it has none).
     - ``extrapolation/unseen_mse``: mean squared error on unseen points.
-    - ``extrapolation/closer_to_mdi``: fraction of unseen points where the prediction is strictly
-      closer to the MDI than to the truth (1 = the model learned the MDI, 0 = it extrapolates).
+
+    The last two only for a module that does not log them itself: MaskPriorModule on a Boolean task logs the
+    same numbers as ``val/unseen_acc`` and ``val/unseen_mse`` (its ``metric_tags()`` lists them), and a
+    second copy of each curve would only clutter TensorBoard. ``history`` keeps all three.
 
     The sums are added over ranks (every point of the cube is evaluated exactly once under DDP),
     then logged at the current step. Batches without those keys are ignored. It uses the
@@ -77,7 +81,10 @@ class ExtrapolationMonitor(Callback):
         values = {"unseen_acc": correct / count, "unseen_mse": squared_error / count,
                   "closer_to_mdi": closer / count}
         self.history.append((trainer.global_step, values))
+        logged_by_module = _metric_tags(pl_module)
         for name, value in values.items():
+            if f"val/{name}" in logged_by_module:
+                continue
             # Already the same on every rank; sync_dist only averages equal numbers.
             pl_module.log(f"{self.prefix}/{name}", value, sync_dist=True)
 
@@ -86,3 +93,9 @@ class ExtrapolationMonitor(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [tuple(p) for p in state_dict["history"]]
+
+
+def _metric_tags(pl_module: L.LightningModule) -> set[str]:
+    """The evaluation tags the module logs itself (MaskPriorModule.metric_tags), or none."""
+    tags = getattr(pl_module, "metric_tags", None)
+    return set(tags()) if callable(tags) else set()

@@ -27,6 +27,8 @@ from lightning_maskprior.callbacks.probe import (
 RELATIVE = ("open_mass", "attn_corr", "prior_corr")
 # The persistence score falls below this fraction of its initial value at the half-life.
 HALF = 0.5
+# TensorBoard group of the per layer/head series; the summaries (means, score, half-life) are under persistence/.
+PER_HEAD = "persistence_heads"
 
 
 def pearson(a: Tensor, b: Tensor) -> Tensor:
@@ -60,7 +62,8 @@ class PriorPersistence(Callback):
     """Measure every ``every_n_steps`` optimizer steps (and at step 0) whether the structure survives.
 
     On a fixed probe batch (the same examples on every rank and after a resume) and for every
-    PriorAttention layer ``l`` and head ``h``, it logs under ``persistence/<metric>/layer<l>/head<h>``:
+    PriorAttention layer ``l`` and head ``h``, it logs under ``persistence_heads/<metric>/layer<l>/head<h>``
+    (a TensorBoard group of its own, apart from the summaries below):
 
     - ``open_mass``: attention probability on the structure's open entries, averaged over queries
       and probe examples (1 = all attention where the structure allows it).
@@ -74,8 +77,8 @@ class PriorPersistence(Callback):
       the head's Wq and Wk (PAPER.md Corollary 1, measured), taken just before the optimizer step
       that produced the logged step; not at step 0.
 
-    A prior shared by all heads (shape (1, N, N)) is logged as head 0. Means over layers and heads
-    go to ``persistence/<metric>`` (the same names without layer/head), and:
+    A prior shared by all heads (shape (1, N, N)) is logged as head 0. The summaries go to ``persistence/``:
+    the means over layers and heads as ``persistence/<metric>``, and:
 
     - ``persistence/score``: mean open mass now / mean open mass at step 0: the persistence score.
     - ``persistence/half_life``: logged once, at the first step where the score is below 0.5; its
@@ -92,7 +95,7 @@ class PriorPersistence(Callback):
         probe_size: Number of probe examples.
         probe_split: Dataset the probe comes from: ``train`` or ``val``.
         probe_seed: Seed that picks the probe examples.
-        per_head: Log the per layer/head series (else only the means).
+        per_head: Log the per layer/head series under ``persistence_heads/`` (else only the summaries).
     """
 
     def __init__(self, every_n_steps: int = 25, probe_size: int = 256, probe_split: str = "train",
@@ -220,8 +223,10 @@ class PriorPersistence(Callback):
             if self.half_life is None and score < HALF:
                 self.half_life = step
                 means["half_life"] = float(step)
-        logged = {**(values if self.per_head else {}), **means}
-        log_scalars(trainer, {f"persistence/{k}": v for k, v in logged.items()}, step)
+        logged = {f"persistence/{k}": v for k, v in means.items()}
+        if self.per_head:
+            logged.update({f"{PER_HEAD}/{k}": v for k, v in values.items()})
+        log_scalars(trainer, logged, step)
         self.last_step = step
 
     # ------------------------------------------------------------------------- checkpoints

@@ -1,6 +1,6 @@
 """Reopen a finished run and look inside it: python examples/analyse_run.py RUN_DIR
 
-RUN_DIR is a fit's run directory (``runs/lightning_logs/version_0``) or a study run's. Prints the validation
+RUN_DIR is a fit's run directory (``runs/2parity-mask-seed0/version_0``) or a study run's. Prints the validation
 metrics (the same as the run logged), the attention probabilities of layer 0 on a batch, the prior sigmoid(M)
 where the init has one, and for a Boolean task the predictions on the unseen slice.
 """
@@ -13,12 +13,15 @@ import lightning as L
 import torch
 
 from lightning_maskprior import attention_probabilities, load_run
+from lightning_maskprior.runs import run_precision
 
 
 def main(run_dir: str) -> dict[str, float]:
     module, datamodule = load_run(run_dir)
-    metrics = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
-        module, datamodule=datamodule, verbose=False)[0]
+    # In the run's precision (bf16-mixed for the CPU configs), so the metrics are the ones it logged.
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        precision=run_precision(run_dir))
+    metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     print("validation:", {k: round(v, 6) for k, v in sorted(metrics.items())})
 
     batch = next(iter(datamodule.val_dataloader()))

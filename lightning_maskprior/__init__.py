@@ -23,6 +23,7 @@ _EXPORTS = {
     "Objective": "task",
     "TaskSpec": "task",
     "load_run": "runs",
+    "run_precision": "runs",
 }
 
 

@@ -1,8 +1,21 @@
 """PriorAttention: multi-head self-attention whose logits get a learnable prior ``log sigmoid(M)``.
 
-This is the only attention class the project's backbones use. With no prior it is plain
-``F.scaled_dot_product_attention``; with a prior, ``M`` is a parameter of shape (heads, N, N)
-(or (1, N, N), shared by every head) that the init methods in ``inits.py`` fill in.
+This is the only attention class the project's backbones use. ``M`` is a parameter of shape (heads, N, N)
+(or (1, N, N), shared by every head) that the init methods in ``inits.py`` fill in; without a prior the layer
+is plain attention.
+
+Two kernels compute the same function (the tests check they agree in value and gradient):
+
+- ``sdpa``: ``F.scaled_dot_product_attention`` on the fused query/key/value projection. On a GPU it runs
+  fused flash / memory-efficient kernels, with the prior as an additive mask.
+- ``explicit``: three projections, ``softmax(q k^T / sqrt(d) + prior) v`` as matmuls. On a CPU it is the
+  faster one in both dtypes (``benchmarks/step_speed.py``). For the 2parity CPU model (2 threads,
+  batch 256, 15 tokens, head width 64), one training step takes:
+  - fp32: explicit 117 ms against SDPA 125 ms;
+  - bf16 autocast: 52 ms against 162 ms. SDPA's CPU bf16 kernel is slower than its fp32 one at this
+    shape, and a grad-requiring prior sends SDPA to its unfused math kernel.
+
+``kernel="auto"`` (the default) picks per device and dtype with :func:`kernel_for`.
 """
 
 from __future__ import annotations
@@ -13,6 +26,24 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+KERNELS = ("auto", "sdpa", "explicit")
+
+
+def kernel_for(device_type: str, dtype: torch.dtype) -> str:
+    """The attention kernel ``auto`` uses on this device type for queries of this dtype (see the module doc).
+
+    On a CPU: ``explicit`` in float32 and bfloat16 alike (measured, benchmarks/step_speed.py). Elsewhere:
+    ``sdpa``, whose fused GPU kernels take the prior as a mask.
+    """
+    del dtype  # both CPU dtypes measured the same way round; the argument keeps the table's key explicit
+    return "explicit" if device_type == "cpu" else "sdpa"
+
+
+def set_attention_kernel(module: nn.Module, kernel: str) -> None:
+    """Make every PriorAttention inside ``module`` use ``kernel`` (``auto``, ``sdpa`` or ``explicit``)."""
+    for layer in attention_layers(module):
+        layer.kernel = kernel
 
 
 class PriorAttention(nn.Module):
@@ -29,6 +60,7 @@ class PriorAttention(nn.Module):
         attn_drop: Dropout on the attention probabilities (training only).
         proj_drop: Dropout after the output projection.
         causal: Add a causal mask (token i sees tokens j <= i), combined with any prior.
+        kernel: ``auto`` (per device and dtype, :func:`kernel_for`), ``sdpa`` or ``explicit``.
     """
 
     def __init__(
@@ -40,6 +72,7 @@ class PriorAttention(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         causal: bool = False,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         if head_dim is None and dim % num_heads != 0:
@@ -62,8 +95,18 @@ class PriorAttention(nn.Module):
         # When True, forward() also stores the attention probabilities in `last_attention`.
         self.record_attention = False
         self.last_attention: Tensor | None = None
-        # Route a prior through SDPA on CPU too (the tests check both paths agree).
-        self.use_sdpa_on_cpu = False
+        self.kernel = kernel
+
+    @property
+    def kernel(self) -> str:
+        """Which kernel computes the attention: ``auto``, ``sdpa`` or ``explicit``."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, value: str) -> None:
+        if value not in KERNELS:
+            raise ValueError(f"attention kernel must be one of {', '.join(KERNELS)}; got {value!r}")
+        self._kernel = value
 
     # ----------------------------------------------------------------------------- the prior
     def set_prior(self, logits: Tensor, trainable: bool = True, scale: float = 1.0) -> None:
@@ -116,20 +159,30 @@ class PriorAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq_len, _ = x.shape
-        qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, head_dim)
-        bias = self._attn_bias(seq_len, q.dtype)
-        is_causal = self.causal and bias is None
+        kernel, device = self.kernel, x.device.type
+        autocast_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        if kernel == "auto":
+            kernel = kernel_for(device, autocast_dtype or x.dtype)
         dropout_p = self.attn_drop if self.training else 0.0
-        if bias is not None and q.device.type == "cpu" and not self.use_sdpa_on_cpu:
-            # On CPU, SDPA with a grad-requiring float mask falls back to an unfused math kernel
-            # that is slower than these three ops (benchmarks/prior_overhead.py); on GPU SDPA's
-            # fused kernels take the bias, so there the prior goes through SDPA.
-            probs = self.reference_probs(q, k, bias, is_causal)
+        if kernel == "explicit":
+            if autocast_dtype is not None and x.is_floating_point():
+                x = x.to(autocast_dtype)  # once, not once per projection (autocast caches weights, not inputs)
+            # One projection per q / k / v, each viewed as (B, N, H, D) then transposed: no (B, N, 3, H, D)
+            # permute, whose copy and its backward's concatenation dominate the fused path on a CPU.
+            shape = (batch, seq_len, self.num_heads, self.head_dim)
+            weights = self.qkv.weight.view(3, self.inner_dim, self.dim).unbind(0)
+            biases = (None,) * 3 if self.qkv.bias is None else self.qkv.bias.view(3, self.inner_dim).unbind(0)
+            q, k, v = (F.linear(x, w, b).view(shape).transpose(1, 2) for w, b in zip(weights, biases, strict=True))
+            bias = self._attn_bias(seq_len, q.dtype)
+            probs = self.reference_probs(q, k, bias, self.causal and bias is None)
             if self.record_attention:
                 self.last_attention = probs.detach()
             out = F.dropout(probs, dropout_p) @ v
         else:
+            qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, head_dim)
+            bias = self._attn_bias(seq_len, q.dtype)
+            is_causal = self.causal and bias is None
             if self.record_attention:
                 self.last_attention = self.reference_probs(q, k, bias, is_causal).detach()
             out = F.scaled_dot_product_attention(

@@ -6,6 +6,7 @@ checkpoints with ``torch.load(weights_only=True)``, YAML with ``yaml.safe_load``
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 import shutil
@@ -266,7 +267,8 @@ _RUN_FILES = ("config.yaml", "hparams.yaml", "tokenizer.json")
 
 
 def remove_empty_run_dir(log_dir: str | Path | None) -> bool:
-    """Remove a run (``version_N``) directory a failed run left with nothing in it; True if removed.
+    """Remove a run (``version_N``) directory a failed run left with nothing in it, and its parent (the run's
+    name, e.g. ``runs/2parity-mask-seed0``) if that is then empty; True if removed.
 
     Nothing means: only ``config.yaml``, ``hparams.yaml``, ``tokenizer.json``, event files without a logged
     value (hyperparameters only) and empty folders (``checkpoints/``). Anything else (a scalar, an image, a
@@ -286,6 +288,8 @@ def remove_empty_run_dir(log_dir: str | Path | None) -> bool:
             continue
         return False
     shutil.rmtree(log_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        log_dir.parent.rmdir()  # only if empty: no other version of that name
     return True
 
 
@@ -298,7 +302,7 @@ def _has_logged_values(path: Path) -> bool:
 
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
-                # Lightning's TensorBoardLogger logs hp_metric = -1 with the hyperparameters of every run.
+                # A TensorBoardLogger with default_hp_metric (not the CLI's) logs hp_metric = -1 with its hparams.
                 if value.metadata.plugin_data.plugin_name != "hparams" and value.tag != "hp_metric":
                     return True
     except Exception:  # noqa: BLE001 - unreadable: keep the directory

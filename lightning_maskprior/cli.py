@@ -4,6 +4,8 @@
     maskprior fit --help
     maskprior study -c configs/study/boolean_cpu.yaml   (a grid of runs and the paper's table; see study/)
 
+A run with no logger configured logs to ``<default_root_dir>/<task>-<init>-seed<seed>/version_N`` (e.g.
+``runs/2parity-mask-seed0/version_0``), with its configuration and final metrics in TensorBoard's HPARAMS tab.
 A fit keeps ``<log_dir>/checkpoints/last.ckpt``; ``--ckpt_path last`` resumes the newest one exactly, in the
 same run directory. Exit codes (run_status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT
 after saving last.ckpt.
@@ -11,6 +13,8 @@ after saving last.ckpt.
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,15 +22,19 @@ from typing import Any
 import lightning as L
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_maskprior import checks, config_files, run_status
+from lightning_maskprior import checks, config_files, precision, run_status
 from lightning_maskprior.callbacks import PredictionWriter
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.resume import Diverged, RunGuard
 from lightning_maskprior.runs import LAST, newest_last_checkpoint
+from lightning_maskprior.tensorboard import HparamsSession
 
 
 class MaskPriorCLI(LightningCLI):
@@ -63,12 +71,21 @@ class MaskPriorCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if self.subcommand == "fit":
             _continue_run_directory(self.config.fit)
+        if self.subcommand is not None:
+            # bf16 on a CPU without native bf16 becomes fp32. Changed in the config, so the run's config.yaml
+            # (and its hparams) record the precision the run used.
+            trainer = self.config[self.subcommand].trainer
+            trainer.precision, line = precision.resolve(trainer.get("accelerator"), trainer.get("precision"))
+            if line:
+                rank_zero_info(line)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         # Every fit keeps last.ckpt (and stops on SIGTERM/SIGINT with it saved), unless checkpointing is off.
         callbacks = [*callbacks, RunGuard()]
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
             callbacks.append(PredictionWriter(_run_dir_of(self.config.predict.get("ckpt_path"))))
+        if self.subcommand in ("fit", "validate", "test"):
+            callbacks += self._tensorboard_callbacks(config)
         configured = [c for c in _as_list(config.get("callbacks")) if isinstance(c, ModelCheckpoint)]
         if config.get("enable_checkpointing", True) is not False:
             if not configured:
@@ -76,6 +93,22 @@ class MaskPriorCLI(LightningCLI):
             for callback in configured:
                 callback.save_last = callback.save_last or True
         return super()._instantiate_trainer(config, callbacks)
+
+    def _tensorboard_callbacks(self, config: dict[str, Any]) -> list[Callback]:
+        """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``; with a logger,
+        the run's HPARAMS session and, in a fit with no LearningRateMonitor of its own, the learning rate per
+        parameter group, ``train/lr/<group>``, every ``log_every_n_steps`` steps."""
+        logger = config.get("logger")
+        if logger is None or logger is True:  # Lightning's default: a TensorBoardLogger in default_root_dir
+            config["logger"] = logger = _default_logger(config.get("default_root_dir"), self.model,
+                                                        self.config[self.subcommand].get("seed_everything"))
+        if logger is False or not _as_list(logger):
+            return []
+        callbacks: list[Callback] = [HparamsSession()]
+        if self.subcommand == "fit" and not any(isinstance(c, LearningRateMonitor)
+                                                for c in _as_list(config.get("callbacks"))):
+            callbacks.append(LearningRateMonitor(logging_interval="step"))
+        return callbacks
 
     def before_fit(self) -> None:
         checks.check_subcommand(self.config[self.subcommand], self.model)  # ckpt_path: readable, fits the model
@@ -109,9 +142,38 @@ class MaskPriorCLI(LightningCLI):
     def after_test(self) -> None:
         _print_metrics(self.trainer, "test/", "test metrics")
 
+    def after_predict(self) -> None:
+        # predict logs nothing (its predictions go to the checkpoint's run directory): the version_N directory
+        # Lightning's logger made for it would be an empty run in TensorBoard, with a session of its own.
+        logger = self.trainer.logger
+        if self.trainer.is_global_zero and logger is not None:
+            checks.remove_empty_run_dir(getattr(logger, "log_dir", None))
+
 
 def _as_list(value: Any) -> list:
     return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+
+
+STUDY_RUN_FILE = "run.json"  # what a study writes in each run's directory (study/spec.py, study/cell.py)
+
+
+def run_name(model: Any, seed: Any) -> str:
+    """``<task>-<init>-seed<seed>``, e.g. ``2parity-mask-seed0``: the directory under ``default_root_dir`` of a run
+    that configured no logger (``-seed<seed>`` only when the run is seeded)."""
+    task = str(getattr(getattr(model, "task", None), "name", None) or "run").rsplit("/", 1)[-1]
+    parts = [task, str(getattr(model, "init_method", None) or "")]
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        parts.append(f"seed{seed}")
+    return "-".join(re.sub(r"[^A-Za-z0-9._+]+", "_", part) for part in parts if part)
+
+
+def _default_logger(root: str | None, model: Any, seed: Any) -> TensorBoardLogger:
+    """The TensorBoardLogger Lightning would create (``save_dir`` = default_root_dir, the SLURM job id as the
+    version under SLURM), named ``run_name`` instead of ``lightning_logs``, with no ``hp_metric`` placeholder.
+    A study's run directory keeps ``lightning_logs``: the study already names it ``<task>/<init>/seed<k>``."""
+    root = root or os.getcwd()
+    name = "lightning_logs" if (Path(root) / STUDY_RUN_FILE).is_file() else run_name(model, seed)
+    return TensorBoardLogger(save_dir=root, name=name, version=SLURMEnvironment.job_id(), default_hp_metric=False)
 
 
 def _continue_run_directory(config) -> None:
@@ -144,6 +206,8 @@ def _continue_run_directory(config) -> None:
     step = checks.read_checkpoint(path).get("global_step")
     init_args = {"save_dir": str(version_dir.parent.parent), "name": version_dir.parent.name,
                  "version": version_dir.name}
+    if logger in (None, True):
+        init_args["default_hp_metric"] = False  # as _default_logger: the run's HPARAMS session is HparamsSession's
     if step:
         # Callbacks log step S's measurement before the checkpoint at step S is saved; Lightning's own
         # training scalars at step S come after it and are logged again, identically, by the resumed run.
@@ -154,7 +218,8 @@ def _continue_run_directory(config) -> None:
 
 _EPILOG = (
     "more commands: `maskprior study -c study/boolean_cpu.yaml` runs a grid of fits and the paper's table "
-    "(maskprior study --help); `maskprior configs` lists the packaged configs (-c takes their short names). "
+    "(maskprior study --help); `maskprior report DIR` rewrites a study's tables and figures from its result "
+    "directory (maskprior report --help); `maskprior configs` lists the packaged configs (-c takes their short names). "
     "`maskprior predict -c CONFIG --ckpt_path RUN/checkpoints/last.ckpt` writes RUN/predictions.csv."
 )
 
@@ -198,6 +263,10 @@ def main(args: list[str] | None = None) -> None:
     argv = config_files.resolve_argv(sys.argv[1:] if args is None else list(args))  # -c NAME: packaged configs
     if argv[:1] == ["configs"]:
         return config_files.main(argv[1:])
+    if argv[:1] == ["report"]:  # a study's tables and figures from its result directory (study/report.py)
+        from lightning_maskprior.study.report import main as report_main
+
+        return report_main(argv[1:])
     checks.check_argv(argv)  # -c files and ckpt_path, before LightningCLI reads them: exit 2 naming the file
     if argv[:1] == ["study"]:  # not a LightningCLI subcommand: a grid of fit/test runs
         from lightning_maskprior.study import main as study_main

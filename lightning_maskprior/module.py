@@ -195,6 +195,11 @@ class MaskPriorModule(L.LightningModule):
             # Already identical on every rank; sync_dist only averages equal numbers.
             self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
 
+    def metric_tags(self) -> list[str]:
+        """The tags validation and test log: ``val/<metric>`` and ``test/<metric>`` for each of the objective's
+        metrics, and ``val/loss``, ``test/loss``. They are the metrics of the run's TensorBoard HPARAMS session."""
+        return [f"{stage}/{name}" for stage in ("val", "test") for name in [*self.metrics[stage].keys(), "loss"]]
+
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         # The predictions go to callbacks' on_validation_batch_end (ExtrapolationMonitor).
         return self._eval_step("val", batch)
@@ -223,9 +228,11 @@ class MaskPriorModule(L.LightningModule):
         for name, param in self.named_parameters():
             if param.requires_grad:
                 (prior if name.endswith("prior_logits") else other).append(param)
-        groups = [{"params": other}]
+        # Named groups: LearningRateMonitor logs each group's rate as train/lr/<name> (train/lr/network for every
+        # init, train/lr/prior beside it when there is a prior).
+        groups = [{"params": other, "name": "network"}]
         if prior:
-            groups.append({"params": prior, "weight_decay": self.prior_weight_decay})
+            groups.append({"params": prior, "weight_decay": self.prior_weight_decay, "name": "prior"})
         optimizer = self.optimizer_factory(groups)
         if self.lr_schedule == "constant" and self.warmup_steps == 0:
             return optimizer
@@ -245,4 +252,5 @@ class MaskPriorModule(L.LightningModule):
             return 0.5 * (1.0 + math.cos(math.pi * progress))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}  # the LearningRateMonitor's tag
+        return {"optimizer": optimizer, "lr_scheduler": schedule}

@@ -39,7 +39,8 @@ class RegressionObjective(Objective):
         self.register_buffer("label_values", values, persistent=False)
 
     def loss(self, output: Tensor, batch: dict[str, Tensor]) -> Tensor:
-        return F.mse_loss(output.squeeze(-1), batch["target"])
+        # fp32 whatever the autocast dtype of the output (bf16-mixed): the loss, like the metrics, is fp32.
+        return F.mse_loss(output.squeeze(-1).float(), batch["target"].float())
 
     def make_metrics(self) -> MetricCollection:
         metrics = {}
@@ -158,7 +159,7 @@ class LanguageModelObjective(Objective):
         self.ignore_index = ignore_index
 
     def loss(self, output: Tensor, batch: dict[str, Tensor]) -> Tensor:
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), batch["target"].reshape(-1),
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), batch["target"].reshape(-1),
                                ignore_index=self.ignore_index)
 
     def make_metrics(self) -> MetricCollection:

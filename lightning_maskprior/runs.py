@@ -11,7 +11,7 @@ LAST = "last.ckpt"  # what every fit keeps in <run directory>/checkpoints/
 
 
 def newest_last_checkpoint(root: str | Path) -> Path | None:
-    """The newest ``<root>/<name>/<version>/checkpoints/last.ckpt`` (e.g. under ``runs/lightning_logs``), or None.
+    """The newest ``<root>/<name>/<version>/checkpoints/last.ckpt`` (``<name>``: e.g. ``2parity-mask-seed0``), or None.
 
     What ``--ckpt_path last`` resumes, and what a study's cell resumes an interrupted run from.
     """
@@ -39,7 +39,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
     """``(module, datamodule)`` of a finished run, the module in eval mode and the datamodule set up to validate.
 
     Args:
-        run_dir: A run directory (``runs/lightning_logs/version_N``, or a study run's directory holding one).
+        run_dir: A run directory (``runs/2parity-mask-seed0/version_N``, or a study run's directory holding one).
         checkpoint: Which checkpoint (default: ``last.ckpt``, else the newest one).
         map_location: Where the weights go (default: the CPU).
 
@@ -59,3 +59,12 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
     datamodule = build_datamodule(spec)
     datamodule.setup("validate")
     return module, datamodule
+
+
+def run_precision(run_dir: str | Path, checkpoint: str | Path | None = None) -> str:
+    """The precision a run trained and validated in (its ``config.yaml``'s ``trainer.precision``), e.g.
+    ``bf16-mixed``: give it to the Trainer that re-validates a reopened run, and the metrics come out as logged."""
+    ckpt = Path(checkpoint) if checkpoint is not None else find_checkpoint(run_dir)
+    config = ckpt.parent.parent / "config.yaml"
+    trainer = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("trainer") if config.is_file() else None
+    return str((trainer or {}).get("precision") or "32-true")

@@ -208,7 +208,7 @@ def test_tiny_fit_and_test(tmp_path, capsys, config, init, readout):
     out = capsys.readouterr().out
     for name in ("seq_acc", "digit_acc", "loss"):
         assert f"val/{name} " in out
-    run_dir = next((tmp_path / "lightning_logs").glob("version_*"))
+    run_dir = next(tmp_path.glob("*/version_*"))
     assert len(read_scalars(run_dir)["val/seq_acc"]) == 2
     main(["test", *args, "--data.init_args.test_size", "300"])
     out = capsys.readouterr().out

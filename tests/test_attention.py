@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_maskprior.attention import PriorAttention, attention_probabilities
+from lightning_maskprior.attention import PriorAttention, attention_probabilities, kernel_for
 
 
 def reference_attention(layer: PriorAttention, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
@@ -91,16 +91,42 @@ def test_fixed_prior_is_not_trained():
     assert layer.prior_logits.grad is None
 
 
+@pytest.mark.parametrize("with_prior", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cpu_explicit_path_matches_sdpa_path(causal):
+def test_explicit_kernel_matches_sdpa_kernel(causal, with_prior):
     torch.manual_seed(2)
     layer = PriorAttention(dim=12, num_heads=3, causal=causal).double()
-    layer.set_prior(torch.randn(3, 6, 6) * 2)
+    if with_prior:
+        layer.set_prior(torch.randn(3, 6, 6) * 2)
+    params = [p for p in layer.parameters() if p.requires_grad]
     x = torch.randn(2, 6, 12, dtype=torch.float64)
-    explicit = layer(x)
-    grad_explicit = torch.autograd.grad(explicit.sum(), layer.prior_logits)[0]
-    layer.use_sdpa_on_cpu = True
-    fused = layer(x)
-    grad_fused = torch.autograd.grad(fused.sum(), layer.prior_logits)[0]
-    torch.testing.assert_close(explicit, fused)
-    torch.testing.assert_close(grad_explicit, grad_fused)
+    outputs, grads = [], []
+    for kernel in ("explicit", "sdpa"):
+        layer.kernel = kernel
+        out = layer(x)
+        outputs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), params))
+    torch.testing.assert_close(outputs[0], outputs[1])
+    for explicit, fused in zip(*grads, strict=True):
+        torch.testing.assert_close(explicit, fused)
+
+
+def test_auto_kernel_is_explicit_on_cpu_in_both_dtypes_and_bad_kernel_is_named():
+    assert kernel_for("cpu", torch.float32) == kernel_for("cpu", torch.bfloat16) == "explicit"
+    assert kernel_for("cuda", torch.bfloat16) == "sdpa"
+    layer = PriorAttention(dim=8, num_heads=2)
+    assert layer.kernel == "auto"
+    with pytest.raises(ValueError, match="one of auto, sdpa, explicit; got 'flash'"):
+        layer.kernel = "flash"
+
+
+def test_bf16_autocast_explicit_kernel_is_close_to_fp32():
+    torch.manual_seed(0)
+    layer = PriorAttention(dim=16, num_heads=2)
+    layer.set_prior(torch.randn(2, 5, 5))
+    x = torch.randn(3, 5, 16)
+    reference = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = layer(x)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), reference, atol=0.05, rtol=0.05)

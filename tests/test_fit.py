@@ -25,7 +25,7 @@ def test_tiny_fit_logs_every_metric(tiny_args, tmp_path, capsys, init):
     assert "final validation metrics" in out
     for name in METRICS:
         assert f"val/{name} " in out
-    run_dirs = list((tmp_path / "runs").glob("lightning_logs/version_*"))
+    run_dirs = list((tmp_path / "runs").glob("*/version_*"))
     assert len(run_dirs) == 1
     scalars = read_scalars(run_dirs[0])
     for name in METRICS:
@@ -42,7 +42,7 @@ def test_last_epoch_is_validated_when_the_validation_interval_skips_it(tiny_args
             *tiny_args, "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "2")
     out = capsys.readouterr().out
     assert "final validation metrics" in out and "val/acc " in out
-    (run_dir,) = (tmp_path / "runs").glob("lightning_logs/version_*")
+    (run_dir,) = (tmp_path / "runs").glob("*/version_*")
     scalars = read_scalars(run_dir)
     steps = [step for step, _ in scalars["val/acc"]]
     assert len(steps) == 2  # after epoch 2, then after the final epoch 3
@@ -113,7 +113,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-        results[name] = read_scalars(next(root.glob("lightning_logs/version_*")))
+        results[name] = read_scalars(next(root.glob("*/version_*")))
     for metric in METRICS:
         single = results["single"][f"val/{metric}"][-1][1]
         assert results["ddp"][f"val/{metric}"][-1][0] == 0  # logged once, at step 0
@@ -136,6 +136,6 @@ def test_ddp_fit_runs_and_logs_every_metric(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final validation metrics" in proc.stdout
-    scalars = read_scalars(next(tmp_path.glob("lightning_logs/version_*")))
+    scalars = read_scalars(next(tmp_path.glob("*/version_*")))
     for metric in METRICS:
         assert len(scalars[f"val/{metric}"]) == 2, metric

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from conftest import CONFIGS, ROOT
-from lightning_maskprior import config_files, load_run
+from lightning_maskprior import config_files, load_run, precision
 from lightning_maskprior.cli import main
 from lightning_maskprior.module import MaskPriorModule
+from lightning_maskprior.runs import run_precision
 from lightning_maskprior.study.spec import _resolve_path
 from lightning_maskprior.tensorboard import read_scalars
 
@@ -66,7 +67,7 @@ def test_help_mentions_study_and_configs(capsys):
 def finished_run(tiny_args, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     main(["fit", "-c", "boolean/2parity.yaml", "-c", "init/mask.yaml", *tiny_args])
-    (run_dir,) = (tmp_path / "runs").glob("lightning_logs/version_*")
+    (run_dir,) = (tmp_path / "runs").glob("*/version_*")
     return run_dir
 
 
@@ -87,7 +88,9 @@ def test_load_run_and_the_example_reproduce_the_logged_validation_exactly(finish
 
     logged = {tag: points[-1][1] for tag, points in read_scalars(finished_run).items() if tag.startswith("val/")}
     module, datamodule = load_run(finished_run)
-    metrics = L.Trainer(logger=False, enable_progress_bar=False).validate(module, datamodule=datamodule)[0]
+    assert run_precision(finished_run) == precision.resolve("cpu", "bf16-mixed")[0]  # the config's, or fp32
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, precision=run_precision(finished_run))
+    metrics = trainer.validate(module, datamodule=datamodule)[0]
     assert metrics["val/acc"] == logged["val/acc"]
     assert metrics["val/mse"] == pytest.approx(logged["val/mse"], rel=1e-6)
 
@@ -113,6 +116,7 @@ def test_predict_writes_boolean_predictions_to_the_run_directory(finished_run, t
     assert set(rows[0]) == {"prediction", "label", "target", "unseen", "mdi"}
     assert sum(int(r["unseen"]) for r in rows) == 2**6 // 4  # 2parity: the quarter x0 = x1 = -1
     assert "wrote 64 predictions" in capsys.readouterr().out
+    assert [p.name for p in finished_run.parents[1].iterdir()] == [finished_run.parent.name]  # no empty predict run
 
 
 def test_predict_writes_arithmetic_predictions(tmp_path):

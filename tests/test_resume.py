@@ -75,11 +75,11 @@ def assert_same_scalars(full: Path, resumed: Path) -> None:
 def check_resume(tmp_path: Path, args: list[str], stop: list[str], expected_rc: int) -> None:
     assert _fit(args, tmp_path / "full") == 0
     assert _fit(args, tmp_path / "resumed", *stop) == expected_rc
-    last = tmp_path / "resumed/lightning_logs/version_0/checkpoints/last.ckpt"
-    assert last.is_file()
+    (last,) = (tmp_path / "resumed").glob("*/version_0/checkpoints/last.ckpt")  # <task>-<init>-seed<seed>/
     assert _fit(args, tmp_path / "resumed", "--ckpt_path", "last") == 0
     # One run directory: the resumed run continued version_0 instead of starting version_1.
-    assert [p.name for p in (tmp_path / "resumed/lightning_logs").iterdir()] == ["version_0"]
+    assert [p.name for p in (tmp_path / "resumed").iterdir()] == [last.parents[2].name]
+    assert [p.name for p in last.parents[2].iterdir()] == ["version_0"]
     assert_same_scalars(tmp_path / "full", tmp_path / "resumed")
 
 

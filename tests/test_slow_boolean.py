@@ -19,7 +19,7 @@ def test_mask_extrapolates_and_default_stays_at_the_mdi(task, tmp_path):
         root = tmp_path / init
         main(["fit", "-c", str(CONFIGS / f"boolean/{task}.yaml"), "-c", str(CONFIGS / f"init/{init}.yaml"),
               "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root)])
-        results[init] = last_scalars(next(root.glob("lightning_logs/version_*")), "val/")
+        results[init] = last_scalars(next(root.glob("*/version_*")), "val/")
     mask_acc, mdi_acc = EXPECTED[task]
     assert results["mask"]["val/acc"] >= mask_acc
     assert results["mask"]["val/mse"] < 0.05

@@ -1,4 +1,4 @@
-"""``maskprior study``: validation before any run, tables (mean / std / paper), resume, failures, plots."""
+"""``maskprior study``: validation before any run, tables (mean / std / paper), resume, failures, figures."""
 
 import json
 import os
@@ -249,12 +249,12 @@ def test_table_has_mean_std_and_paper_numbers(tmp_path, monkeypatch):
     assert float(row["mask:MSE:paper"]) == 0.0029 and float(row["default:acc %:paper"]) == 75.0
 
     md = (study.out_dir / "table.md").read_text()
-    assert "| task | Default (ours) | Default (paper) | Mask (ours) | Mask (paper) |" in md
-    assert "| 2parity | 1.2000 ± 0.1000 / 75.33 ± 0.58 | 1.3790 / 75.00 | 0.2000 ± 0.1000 / 99.67 ± 0.58 | " \
-           "0.0029 / 100.00 |" in md
-    plots = sorted(p.name for p in (study.out_dir / "plots").glob("*.png"))
-    assert plots == ["2parity_persistence.png", "2parity_val_acc.png", "majority3_persistence.png",
-                     "majority3_val_acc.png"]
+    assert "| task | Default | Mask |" in md  # one table per metric, the paper's row beneath ours, best in bold
+    assert "| 2parity | 1.2000 ± 0.1000 | **0.2000 ± 0.1000** |\n| *paper* | *1.3790* | *0.0029* |" in md
+    assert "| 2parity | 75.33 ± 0.58 | **99.67 ± 0.58** |\n| *paper* | *75.00* | *100.00* |" in md
+    figures = sorted(p.name for p in (study.out_dir / "figures").glob("*.png"))
+    assert figures == ["2parity_curves.png", "2parity_persistence.png", "majority3_curves.png",
+                       "majority3_persistence.png", "persistence.png"]
 
 
 def test_one_seed_has_no_std(tmp_path, monkeypatch):
@@ -265,7 +265,8 @@ def test_one_seed_has_no_std(tmp_path, monkeypatch):
     fake_results(study, values)
     assert write_outputs(study, plots=False) == 0
     md = (study.out_dir / "table.md").read_text()
-    assert "| 2parity | 0.5000 / 75.00 | 1.3790 / 75.00 |" in md and "±" not in md.split("\n- ")[0]
+    rows = [line for line in md.splitlines() if line.startswith("| 2parity |")]
+    assert rows[0] == "| 2parity | 0.5000 | 0.5000 |" and not any("±" in row for row in rows)
     row = read_csv_table(study.out_dir / "table.csv")["2parity"]
     assert row["default:MSE:std"] == "" and row["default:MSE:n"] == "1"
 
@@ -311,7 +312,7 @@ def test_tiny_study_runs_resumes_and_tabulates(tmp_path, monkeypatch):
             mse = [results[f"{task}/{init}/seed{s}"]["metrics"]["val/mse"] for s in (0, 1)]
             assert float(table[task][f"{init}:MSE:mean"]) == pytest.approx(statistics.mean(mse))
             assert float(table[task][f"{init}:MSE:std"]) == pytest.approx(statistics.stdev(mse))
-    assert (study.out_dir / "plots" / "2parity_val_acc.png").is_file()
+    assert (study.out_dir / "figures" / "2parity_curves.png").is_file()
     # A third invocation has nothing to do and writes the same table.
     md = (study.out_dir / "table.md").read_text()
     lines.clear()
@@ -351,8 +352,8 @@ def test_subprocess_runs_fit_and_test_and_record_failures(tmp_path, monkeypatch,
     assert ok["status"] == "ok" and len(ok["commands"]) == 2 and " test -c " in ok["commands"][1]
     assert 0 <= ok["metrics"]["test/acc"] <= 1 and "val/acc" in ok["metrics"]
     md = (tmp_path / "out/table.md").read_text()
-    assert "## Failed runs" in md and "### broken/mask/seed0 (fit" in md
-    assert "| broken | – / – |" in md
+    assert "## Failed runs" in md and "- broken/mask/seed0: " in md
+    assert "| broken | – |" in md
 
 
 # --------------------------------------------------------------- dry run, diverged runs in the table
@@ -387,7 +388,7 @@ def test_diverged_runs_are_listed_apart_from_the_means(tmp_path, monkeypatch):
     diverged.result_path.write_text(json.dumps(result))
     assert write_outputs(study, plots=False) == 0  # a result, not a failure
     md = (study.out_dir / "table.md").read_text()
-    assert "| 0.5000 (1/2 seeds, 1 diverged) / 75.00 (1/2 seeds, 1 diverged) |" in md
+    assert "| 2parity | 0.5000 ± 0.0000 | 0.5000 (1/2 seeds, 1 diverged) |" in md
     assert "## Diverged runs" in md and "- 2parity/mask/seed0: non-finite loss nan at step 17" in md
     assert "## Failed runs" not in md
     assert diverged.is_done()  # rerunning would diverge again: not retried
@@ -414,7 +415,9 @@ def test_cell_writes_its_own_result_and_the_table_reads_it(tmp_path, monkeypatch
     path.write_text(yaml.safe_dump(config))
     main(["study", "-c", str(path), "--table_only", "true"])
     acc = result["metrics"]["val/acc"] * 100
-    assert f"| 2parity | {result['metrics']['val/mse']:.4f} / {acc:.2f} |" in (study.out_dir / "table.md").read_text()
+    md = (study.out_dir / "table.md").read_text()
+    assert f"| 2parity | {result['metrics']['val/mse']:.4f} |" in md and f"| 2parity | {acc:.2f} |" in md
+    assert result["precision"] in ("32-true", "bf16-mixed") and (run.dir / "attention_maps.npz").is_file()
 
 
 def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):

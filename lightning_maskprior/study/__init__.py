@@ -4,7 +4,11 @@
     cell.py       one run as one self-contained command that writes its own result.json
     launchers/    what executes the cells: local processes, in-process, SLURM (submitit), Ray
     lock.py       one study at a time per output directory
-    report.py     table.md / table.csv / results.csv and plots, from the runs' result.json files
+    record.py     the attention maps of a run at the start and the end of training, as arrays
+    results.py    the result directory's data files (study.json, results.csv, curves, maps): written, read
+    tables.py     table.md / table.csv / per_seed.csv in the paper's layout, from the data files
+    figures.py    the figures (PNG and PDF), from the data files
+    report.py     `maskprior report`: tables and figures of a result directory, and the README's copies
     cli.py        the command: parse, validate, lock, launch, report
 
 The names below are imported when first used, so ``python -m lightning_maskprior.study.cell`` (run once per
@@ -19,7 +23,8 @@ from typing import Any
 _EXPORTS = {
     "Interrupted": "cli", "build_parser": "cli", "main": "cli", "run_study": "cli",
     "LOCK_NAME": "lock", "OWNER_NAME": "lock", "study_lock": "lock",
-    "collect": "report", "table_rows": "report", "write_outputs": "report", "write_plots": "report",
+    "render": "report", "update_readme": "report", "write_outputs": "report",
+    "ResultSet": "results", "collect": "results", "load": "results",
     "InitEntry": "spec", "Metric": "spec", "Run": "spec", "Study": "spec", "StudyError": "spec",
     "TaskEntry": "spec", "check_commands": "spec", "load_study": "spec",
 }

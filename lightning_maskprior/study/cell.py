@@ -3,7 +3,9 @@
 The study writes ``<run_dir>/run.json`` (the fit arguments, whether to test, the run's key, the threads).
 The cell fits (resuming from ``lightning_logs/version_*/checkpoints/last.ckpt`` when the directory holds
 one), tests the final checkpoint, and writes ``<run_dir>/result.json`` atomically, wherever it runs (a local
-process, a SLURM job, a Ray task), so ``maskprior study --table_only true`` builds the table from it.
+process, a SLURM job, a Ray task), so ``maskprior study --table_only true`` builds the table from it. The fit
+also saves ``<run_dir>/attention_maps.npz`` (study/record.py: attention at the start and the end of training), and
+result.json records the precision the fit ran in.
 Fit and test run as child processes that get the cell's SIGTERM / SIGINT (they save ``last.ckpt``) and
 die with it. The cell's exit code is the run's (lightning_maskprior.run_status): 0 ok, 3 diverged,
 143 / 130 interrupted, anything else failed.
@@ -35,6 +37,14 @@ STDERR_TAIL_LINES = 25
 FIT_FILE = "fit.json"  # written when the fit has finished: a cell stopped during the test only tests again
 CELL_LOCK = ".cell.lock"  # held by the cell executing a run, so nothing deletes or reruns it meanwhile
 CELL_LOCK_WAIT_SECONDS = 120  # a cell of a study that was just stopped may still be saving its last.ckpt
+MAPS_FILE = "attention_maps.npz"  # the fit's attention maps at the start and the end of training (study/record.py)
+
+
+def record_args(path: Path) -> list[str]:
+    """CLI options appending to the fit's ``trainer.callbacks`` a study.record.AttentionRecord writing ``path``
+    (named here, not imported: the cell stays free of torch and Lightning)."""
+    spec = {"class_path": "lightning_maskprior.study.record.AttentionRecord", "init_args": {"path": str(path)}}
+    return [f"--trainer.callbacks+={json.dumps(spec)}"]
 
 
 @contextlib.contextmanager
@@ -215,7 +225,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         rc, stage, fit_dir = 0, "fit", Path(fit_record["log_dir"])
         result["commands"].append(fit_record["command"])
     else:
-        fit_args = list(spec["fit"])
+        fit_args = [*spec["fit"], *record_args(run_dir / MAPS_FILE)]  # attention maps at the start and the end
         ckpt = resume_checkpoint(run_dir)
         if ckpt is not None:
             fit_args += ["--ckpt_path", str(ckpt)]
@@ -244,6 +254,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
             rc = _unless_signalled(rc, children)
             error = tail(run_dir / "test.err") if rc != 0 else ""
     status = status_from_returncode(rc)
+    result["precision"] = _precision(fit_dir)
     end = time.time()
     result.update(status=status, stage=stage, returncode=rc, ended_at=end,
                   seconds=round(earlier.get("seconds", 0.0) + end - start, 1))
@@ -257,6 +268,19 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         result["error"] = error or f"exit code {rc}"
     write_json(run_dir / "result.json", result)
     return result
+
+
+def _precision(fit_dir: Path | None) -> str | None:
+    """The ``trainer.precision`` the fit ran in, from its config.yaml (the CLI writes the one it used there:
+    bf16-mixed on a CPU without native bf16 becomes 32-true); None if unreadable."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((Path(fit_dir) / "config.yaml").read_text())
+        value = config["trainer"]["precision"]
+    except (OSError, TypeError, KeyError, ValueError, yaml.YAMLError):
+        return None
+    return None if value is None else str(value)
 
 
 def main(argv: list[str] | None = None) -> int:

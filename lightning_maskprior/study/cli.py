@@ -13,8 +13,10 @@ by a launcher: local processes (disjoint GPU slots with ``gpus_per_run``), SLURM
 one resumes from its ``last.ckpt``; a failed one is recorded with the tail of its stderr, the study goes on.
 While it runs, a study holds ``<out_dir>/.study.lock``, so a second study in the same directory fails
 at once instead of taking over the first one's unfinished runs.
-At the end (and after every run) the study writes ``table.md`` / ``table.csv`` (mean +- std over
-seeds, the paper's numbers beside ours), ``results.csv`` (one row per run) and PNG plots.
+After every run the study writes its data files into out_dir (``study.json``, ``results.csv``: one row per run)
+and ``table.md`` / ``table.csv`` / ``per_seed.csv`` (mean +- std over seeds, the paper's numbers beneath ours); at
+the end also ``curves.csv.gz``, ``attention_maps.npz`` and ``figures/`` (PNG and PDF). ``maskprior report
+<out_dir>`` regenerates the tables and figures from those data files alone (see ``maskprior report --help``).
 """
 
 from __future__ import annotations
@@ -78,12 +80,14 @@ def build_parser():
         "--metrics", type=list[str | dict[str, Any]], default=[],
         help="Numbers in each cell: TensorBoard tags (last value of the run) or mappings: tag (e.g. test/acc), "
         "label (column text; default the tag), scale (e.g. 100 for percent), digits (decimals, default 4), paper "
-        "(the metric's key in the paper's table, e.g. acc, mse, seq_acc). Tasks may override.",
+        "(the metric's key in the paper's table, e.g. acc, mse, seq_acc), better (higher or lower: the table bolds the "
+        "best mean per task; default lower for MSE, loss and perplexity tags, else higher). Tasks may override.",
     )
     parser.add_argument(
         "--curves", type=list[str], default=["val/acc"],
-        help="Tags plotted over training per init method (mean over seeds, min-max band), one PNG per task "
-        "and tag. Tags under persistence/ are plotted too whenever the runs logged them.",
+        help="Tags plotted over training per init method (each seed faint, the mean bold), one figure per task "
+        "(figures/<task>_curves.png and .pdf). The persistence/ summaries are kept and drawn too whenever the runs "
+        "logged them. Their points go to curves.csv.gz, from which `maskprior report` redraws every figure.",
     )
     parser.add_argument(
         "--paper_tables", type=list[str | int], default=[],
@@ -134,7 +138,8 @@ def build_parser():
         help="Validate the study, parse every run's full fit command (a misspelled option fails here) and print "
         "the commands; run nothing.")
     parser.add_argument("--table_only", type=bool, default=False,
-        help="Rebuild tables and plots from finished runs; run nothing.")
+        help="Rebuild the result files, tables and figures from finished runs; run nothing (the same outputs as "
+        "`maskprior report <out_dir>` after the study).")
     return parser
 
 

@@ -30,6 +30,15 @@ class Metric:
     scale: float = 1.0  # multiply before printing (100 for accuracies in %)
     digits: int = 4  # decimals printed
     paper: str | None = None  # key of the paper's number in paper_results.TABLES ("acc", "mse", ...)
+    better: str = "higher"  # which way is better ("higher" or "lower"): the table bolds the best mean per task
+
+
+LOWER_IS_BETTER = ("mse", "loss", "ppl", "perplexity", "error", "drift")
+
+
+def default_better(tag: str) -> str:
+    """``lower`` for errors (MSE, loss, perplexity), ``higher`` for the rest (accuracies)."""
+    return "lower" if any(word in tag.lower() for word in LOWER_IS_BETTER) else "higher"
 
 
 @dataclass
@@ -123,14 +132,18 @@ def _parse_metrics(values: list, where: str) -> list[Metric]:
         if not isinstance(value, dict) or not isinstance(value.get("tag"), str) or "/" not in value["tag"]:
             raise StudyError(f"{at}: a metric is a TensorBoard tag like 'test/acc' or a mapping with one, "
                              f"got {value!r}")
-        _check_keys(value, {"tag", "label", "scale", "digits", "paper"}, at)
+        _check_keys(value, {"tag", "label", "scale", "digits", "paper", "better"}, at)
         try:
             scale, digits = float(value.get("scale", 1.0)), int(value.get("digits", 4))
         except (TypeError, ValueError) as err:
             raise StudyError(f"{at}: scale must be a number and digits an integer: {err}") from err
         if digits < 0:
             raise StudyError(f"{at}: digits must be >= 0, got {digits}")
-        metrics.append(Metric(value["tag"], str(value.get("label", value["tag"])), scale, digits, value.get("paper")))
+        better = value.get("better", default_better(value["tag"]))
+        if better not in ("higher", "lower"):
+            raise StudyError(f"{at}: better must be 'higher' or 'lower', got {better!r}")
+        metrics.append(Metric(value["tag"], str(value.get("label", value["tag"])), scale, digits, value.get("paper"),
+                              better))
     return metrics
 
 

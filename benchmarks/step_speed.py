@@ -1,0 +1,257 @@
+"""How fast is a training step, in fp32 and bf16, with and without the prior, inside and outside Lightning?
+
+    python benchmarks/step_speed.py                     # the 2parity CPU config, 1 and 2 threads (~4 min)
+    python benchmarks/step_speed.py --threads 2 --rounds 3
+    python benchmarks/step_speed.py --config boolean/cyclic3.yaml
+
+Everything is measured in one process, side by side, so the ratios do not depend on what else the machine
+is doing. For each thread count it reports:
+
+1. the peak of a large matmul in fp32 and bf16 (GFLOP/s), the yardstick for the rest;
+2. one optimizer step of the config's model (forward, backward, Adam) for the default init and the mask
+   prior, in fp32 and under bf16 autocast, with each attention kernel (``auto`` is what runs use):
+   ms/step, GFLOP/s (FLOPs counted by torch.utils.flop_counter) and the fraction of the matmul peak;
+   steps of the compared models alternate, round after round, and the median round counts;
+3. a validation pass over the full cube (2^n points, the eval batch size), fp32 against bf16;
+4. Lightning against a raw loop: the same model, data, optimizer and precision, trained by
+   ``Trainer.fit`` with the config's callbacks (plus the CLI's RunGuard and ModelCheckpoint and a
+   TensorBoard logger) and by a plain PyTorch loop; the time per step after the first few.
+
+Targets (issue 16), checked at the end: a bf16 step (default and mask) <= 0.5x the fp32 step of the same
+init; mask/default <= 1.10 in both dtypes at every thread count; Lightning <= 1.10x the raw loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+
+import lightning as L
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_maskprior import config_files
+from lightning_maskprior.attention import set_attention_kernel
+from lightning_maskprior.cli import MaskPriorCLI
+from lightning_maskprior.module import MaskPriorModule
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
+INITS = ("default", "mask")
+
+
+def autocast(dtype: str):
+    return torch.autocast("cpu", dtype=DTYPES[dtype]) if DTYPES[dtype] else contextlib.nullcontext()
+
+
+def build(config: str, init: str, dtype: str, extra: list[str] = ()) -> MaskPriorCLI:
+    """The config's module, datamodule and trainer, as ``maskprior fit`` builds them (nothing runs)."""
+    args = ["-c", config, "-c", f"init/{init}.yaml", "--trainer.precision", PRECISION[dtype],
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *extra]
+    args = config_files.resolve_argv(["fit", *args])[1:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return MaskPriorCLI(MaskPriorModule, L.LightningDataModule, subclass_mode_data=True, run=False,
+                            args=args, auto_configure_optimizers=False, save_config_callback=None,
+                            trainer_defaults={"default_root_dir": tempfile.mkdtemp(prefix="step_speed_")})
+
+
+def first_batch(datamodule, size: int | None = None) -> dict[str, torch.Tensor]:
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    return {k: v[:size] for k, v in batch.items()} if size else batch
+
+
+def matmul_peak(dtype: str, sizes=(512, 1024, 2048), seconds: float = 0.5) -> float:
+    """GFLOP/s of the fastest square matmul among ``sizes`` (the peak the model is measured against)."""
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, dtype=DTYPES[dtype] or torch.float32)
+        b = torch.randn(n, n, dtype=a.dtype)
+        a @ b
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        best = max(best, 2 * n**3 * count / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def train_step(module: MaskPriorModule, batch, dtype: str) -> Callable[[], None]:
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+
+    def step() -> None:
+        with autocast(dtype):
+            output = module(batch["inputs"])
+        loss = module.objective.loss(output, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def count_flops(step: Callable[[], None]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
+
+
+def alternate(steps: dict, rounds: int, iters: int) -> dict:
+    """Median seconds per call of each step, timed in alternating rounds of ``iters`` calls."""
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    times = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(iters):
+                step()
+            times[key].append((time.perf_counter() - start) / iters)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def step_table(config: str, rounds: int, iters: int, peaks: dict[str, float]) -> dict:
+    """ms/step of every (init, dtype, kernel), with GFLOP/s and the fraction of the peak."""
+    steps, flops = {}, {}
+    for init in INITS:
+        base = build(config, init, "fp32")
+        batch = first_batch(base.datamodule)
+        for dtype in DTYPES:
+            for kernel in ("auto", "sdpa"):
+                module = copy.deepcopy(base.model)
+                set_attention_kernel(module, kernel)
+                steps[init, dtype, kernel] = train_step(module, batch, dtype)
+                flops[init, dtype, kernel] = count_flops(steps[init, dtype, kernel])
+    seconds = alternate(steps, rounds, iters)
+    print(f"\n  {'init':<8} {'dtype':<5} {'kernel':<7} {'ms/step':>8} {'GFLOP/s':>8} {'% of peak':>9}")
+    for (init, dtype, kernel), s in seconds.items():
+        rate = flops[init, dtype, kernel] / s / 1e9
+        print(f"  {init:<8} {dtype:<5} {kernel:<7} {s * 1000:8.1f} {rate:8.1f} {100 * rate / peaks[dtype]:8.1f}%")
+    print(f"  ({flops['mask', 'fp32', 'auto'] / 1e9:.2f} GFLOP per step, batch {len(batch['inputs'])})")
+    return seconds
+
+
+def validation_pass(config: str, rounds: int) -> dict[str, float]:
+    """Seconds of one pass of the model over the validation set (the full cube for Boolean tasks)."""
+    cli = build(config, "mask", "fp32")
+    cli.datamodule.setup("validate")
+    batches = list(cli.datamodule.val_dataloader())
+    module = cli.model.eval()
+
+    def make(dtype: str):
+        def run() -> None:
+            with torch.no_grad(), autocast(dtype):
+                for batch in batches:
+                    module(batch["inputs"])
+        return run
+
+    seconds = alternate({dtype: make(dtype) for dtype in DTYPES}, rounds, 1)
+    points = sum(len(b["inputs"]) for b in batches)
+    print(f"\n  validation pass over {points} points: "
+          + ", ".join(f"{d} {s * 1000:.0f} ms" for d, s in seconds.items())
+          + f"; bf16/fp32 = {seconds['bf16'] / seconds['fp32']:.2f}")
+    return seconds
+
+
+class _StepClock(L.Callback):
+    """Wall time from the start of batch ``skip`` to the end of the last batch."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip, self.start, self.end, self.count = skip, None, None, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.skip and self.start is None:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.start is not None:
+            self.end, self.count = time.perf_counter(), self.count + 1
+
+
+def lightning_overhead(config: str, dtype: str, steps: int, skip: int = 5) -> tuple[float, float]:
+    """Seconds per step of Trainer.fit (config callbacks, checkpointing, TensorBoard) and of a raw loop."""
+    extra = ["--trainer.max_steps", str(steps + skip), "--trainer.limit_val_batches", "0",
+             "--model.lr_schedule", "constant"]
+    cli = build(config, "mask", dtype, extra)
+    raw = copy.deepcopy(cli.model)  # same initial weights
+    clock = _StepClock(skip)
+    cli.trainer.callbacks.append(clock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    fit = (clock.end - clock.start) / clock.count
+
+    optimizer = raw.configure_optimizers()
+    loader = cli.datamodule.train_dataloader()
+    done, start = 0, None
+    while done < steps + skip:
+        for batch in loader:
+            if done == skip:
+                start = time.perf_counter()
+            with autocast(dtype):
+                output = raw(batch["inputs"])
+            loss = raw.objective.loss(output, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done += 1
+            if done == steps + skip:
+                break
+    loop = (time.perf_counter() - start) / steps
+    return fit, loop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="boolean/2parity.yaml",
+                        help="task config whose model, batch and callbacks are measured (default: %(default)s)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="torch thread counts to measure at (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds (median counts)")
+    parser.add_argument("--iters", type=int, default=6, help="training steps per round and model")
+    parser.add_argument("--lightning-steps", type=int, default=120,
+                        help="steps timed in Trainer.fit and in the raw loop (after 5 warm-up steps)")
+    args = parser.parse_args()
+    if not torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported():
+        print("note: this CPU has no native bf16; the bf16 rows measure emulation")
+
+    results, checks = {}, []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(f"\n=== {args.config}, {threads} thread(s) ===")
+        peaks = {dtype: matmul_peak(dtype) for dtype in DTYPES}
+        print("  matmul peak: " + ", ".join(f"{d} {p:.0f} GFLOP/s" for d, p in peaks.items()))
+        seconds = step_table(args.config, args.rounds, args.iters, peaks)
+        results[threads] = seconds
+        for init in INITS:
+            ratio = seconds[init, "bf16", "auto"] / seconds[init, "fp32", "auto"]
+            checks.append((f"{threads} thr: {init} bf16 / fp32 step", ratio, 0.5))
+        for dtype in DTYPES:
+            ratio = seconds["mask", dtype, "auto"] / seconds["default", dtype, "auto"]
+            checks.append((f"{threads} thr: mask / default step, {dtype}", ratio, 1.10))
+        val = validation_pass(args.config, max(3, args.rounds // 2))
+        checks.append((f"{threads} thr: validation pass bf16 / fp32", val["bf16"] / val["fp32"], 0.5))
+
+    print(f"\n=== Lightning against a raw loop ({torch.get_num_threads()} threads, mask, "
+          f"{args.lightning_steps} steps) ===")
+    for dtype in DTYPES:
+        fit, loop = lightning_overhead(args.config, dtype, args.lightning_steps)
+        print(f"  {dtype}: Trainer.fit {fit * 1000:.1f} ms/step, raw loop {loop * 1000:.1f} ms/step, "
+              f"ratio {fit / loop:.3f}")
+        checks.append((f"Lightning / raw loop, {dtype}", fit / loop, 1.10))
+
+    print("\n=== targets ===")
+    for name, value, target in checks:
+        print(f"  {'ok  ' if value <= target else 'MISS'} {name:<42} {value:6.3f}  (target <= {target:.2f})")
+
+
+if __name__ == "__main__":
+    main()

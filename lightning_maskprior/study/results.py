@@ -1,0 +1,255 @@
+"""A study's result directory: the small data files its tables and figures are made from, written from the
+run directories (``collect``) and read back without them (``load``), so a committed copy regenerates everything.
+
+    study.json          what was measured: title, seeds, the paper's tables, the tasks (metrics, curve tags,
+                        training fraction, the paper's task key) and the init methods
+    results.csv         one row per run: status, wall seconds, precision, the last value of each metric, the
+                        persistence score at the end and the half-life, the error of a failed run
+    curves.csv.gz       every finished run's curves: task, init, seed, tag, step, epoch, value (at most
+                        MAX_POINTS points per series; gzip without a timestamp, so rewriting is byte-stable)
+    attention_maps.npz  the first seed's attention maps at the start and the end of training, per task and init
+                        (keys ``<task>/<init>/start``, ``.../end``, ``.../structure``, ``.../start_step``, ...)
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_maskprior.config_files import option_values
+from lightning_maskprior.study.spec import Metric, Run, Study
+
+STUDY_FILE, RESULTS_FILE, CURVES_FILE, MAPS_FILE = "study.json", "results.csv", "curves.csv.gz", "attention_maps.npz"
+SCORE, HALF_LIFE = "persistence/score", "persistence/half_life"
+MAX_POINTS = 120  # per (run, tag) series in curves.csv.gz: enough for a smooth line, small enough to commit
+FRACTION_OPTION = "--data.init_args.train_fraction"
+SUMMARY = re.compile(r"^persistence/[^/]+$")  # the means over layers and heads, not per-head series
+
+
+@dataclass
+class TaskInfo:
+    name: str
+    paper: str  # the task's key in paper_results.TABLES
+    metrics: list[Metric]
+    curves: list[str]
+    train_fraction: float | None = None  # from the task's --data.init_args.train_fraction, if it sets one
+
+
+@dataclass
+class InitInfo:
+    name: str  # the init method
+    label: str  # its column and directory name
+
+
+@dataclass
+class RunRow:
+    task: str
+    init: str  # the init's label
+    seed: int
+    status: str  # ok, diverged, failed, interrupted, pending
+    seconds: float | None = None
+    precision: str | None = None
+    values: dict[str, float] = field(default_factory=dict)  # tag -> last logged value (metrics, score, half-life)
+    error: str = ""
+
+
+@dataclass
+class ResultSet:
+    """Everything a report needs, read from a result directory."""
+
+    path: Path
+    title: str
+    seeds: list[int]
+    paper_tables: list[str]
+    tasks: list[TaskInfo]
+    inits: list[InitInfo]
+    runs: list[RunRow]
+    curves: dict[tuple[str, str, int, str], list[tuple[int, float | None, float]]] | None = None  # (step, epoch, v)
+    maps: dict[tuple[str, str], dict[str, Any]] | None = None  # (task, init) -> arrays
+
+    def runs_of(self, task: str, init: str, status: str | None = "ok") -> list[RunRow]:
+        return [r for r in self.runs if r.task == task and r.init == init and (status is None or r.status == status)]
+
+
+# ------------------------------------------------------------------------------------- from the runs
+def train_fraction(args: list[str]) -> float | None:
+    """The last ``--data.init_args.train_fraction`` in ``args`` (None if none or not a number)."""
+    values = [value for _, _, value, _ in option_values(args, (FRACTION_OPTION,))]
+    try:
+        return float(values[-1]) if values else None
+    except ValueError:
+        return None
+
+
+def study_info(study: Study) -> dict[str, Any]:
+    """The content of study.json."""
+    return {
+        "title": study.title,
+        "study_file": study.path.name if study.path is not None else None,
+        "seeds": list(study.seeds),
+        "paper_tables": list(study.paper_tables),
+        "tasks": [{"name": t.name, "paper": t.paper, "train_fraction": train_fraction([*study.args, *t.args]),
+                   "metrics": [asdict(m) for m in t.metrics], "curves": list(t.curves)} for t in study.tasks],
+        "inits": [{"name": i.name, "label": i.label} for i in study.inits],
+    }
+
+
+def _current(run: Run) -> dict | None:
+    result = run.load_result()
+    return result if result is not None and result.get("key") == run.key() else None
+
+
+def collect(study: Study, curves: bool = True) -> None:
+    """Write study.json and results.csv into ``study.out_dir`` from the runs' result.json files, and with
+    ``curves`` also curves.csv.gz and attention_maps.npz (these read every run's TensorBoard events: slower)."""
+    out = study.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STUDY_FILE).write_text(json.dumps(study_info(study), indent=1) + "\n")
+    results = [(run, _current(run)) for run in study.runs()]
+    tags = sorted({m.tag for t in study.tasks for m in t.metrics} | {SCORE, HALF_LIFE})
+    with open(out / RESULTS_FILE, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["task", "init", "seed", "status", "seconds", "precision", *tags, "error"])
+        for run, result in results:
+            if result is None:
+                writer.writerow([run.task.name, run.init.label, run.seed, "pending", "", "", *[""] * len(tags), ""])
+                continue
+            metrics = result.get("metrics", {})
+            error = result.get("error", "").strip().splitlines()[-1:] or [""]
+            writer.writerow([run.task.name, run.init.label, run.seed, result.get("status", "?"),
+                             result.get("seconds", ""), result.get("precision") or "",
+                             *[metrics.get(t, "") for t in tags], error[0]])
+    if curves:
+        finished = [(run, result) for run, result in results if result is not None and result.get("status") == "ok"]
+        _write_curves(out / CURVES_FILE, finished)
+        _write_maps(out / MAPS_FILE, [run for run, _ in finished if run.seed == study.seeds[0]])
+
+
+def fit_log_dir(run_dir: Path) -> Path:
+    """The fit's TensorBoard directory (not the test's): the one fit.json names, else the run directory."""
+    try:
+        logged = Path(json.loads((run_dir / "fit.json").read_text())["log_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return run_dir
+    local = run_dir / "lightning_logs" / logged.name  # the same run seen from another machine or mount
+    return local if local.is_dir() else (logged if logged.is_dir() else run_dir)
+
+
+def steps_per_epoch(scalars: dict[str, list[tuple[int, float]]]) -> float | None:
+    """Optimizer steps per epoch: Lightning logs a validation at step (e + 1) * steps_per_epoch - 1 with epoch e."""
+    epochs = dict(scalars.get("epoch", []))
+    guesses = Counter(round((step + 1) / (epochs[step] + 1), 3) for tag, points in scalars.items()
+                      if tag.startswith("val/") for step, _ in points if step in epochs)
+    return guesses.most_common(1)[0][0] if guesses else None
+
+
+def kept_tags(present: set[str], curves: list[str]) -> list[str]:
+    """The curve tags, the MDI's counterparts of them (val/acc -> val/mdi_acc), and the persistence summaries."""
+    wanted = [t for t in curves if t in present]
+    wanted += [reference_tag(t) for t in wanted if reference_tag(t) in present]
+    wanted += sorted(t for t in present if SUMMARY.match(t))
+    return list(dict.fromkeys(wanted))
+
+
+def reference_tag(tag: str) -> str:
+    """The tag of the min-degree interpolator's value of a metric: ``val/acc`` -> ``val/mdi_acc``."""
+    prefix, _, name = tag.rpartition("/")
+    return f"{prefix}/mdi_{name}" if prefix else f"mdi_{name}"
+
+
+def downsample(points: list, limit: int = MAX_POINTS) -> list:
+    """At most ``limit`` points, evenly spread over the series, the first and the last always kept."""
+    if len(points) <= limit:
+        return list(points)
+    index = sorted({round(i * (len(points) - 1) / (limit - 1)) for i in range(limit)})
+    return [points[i] for i in index]
+
+
+def _write_curves(path: Path, runs: list[tuple[Run, dict]]) -> None:
+    from lightning_maskprior.tensorboard import read_scalars
+
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(["task", "init", "seed", "tag", "step", "epoch", "value"])
+    for run, _ in runs:
+        scalars = read_scalars(fit_log_dir(run.dir))
+        per_epoch = steps_per_epoch(scalars)
+        for tag in kept_tags(set(scalars), run.task.curves):
+            # The persistence callback logs at the global step (after that many updates); Lightning logs a batch's
+            # metrics at the step before its update. Epochs elapsed are therefore step / spe and (step + 1) / spe.
+            shift = 0 if tag.startswith("persistence/") else 1
+            for step, value in downsample(scalars[tag]):
+                epoch = "" if per_epoch is None else f"{(step + shift) / per_epoch:.4g}"
+                writer.writerow([run.task.name, run.init.label, run.seed, tag, step, epoch, f"{value:.6g}"])
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+        f.write(text.getvalue().encode())
+
+
+def _write_maps(path: Path, runs: list[Run]) -> None:
+    import numpy as np
+
+    from lightning_maskprior.study.cell import MAPS_FILE as RUN_MAPS
+
+    arrays = {}
+    for run in runs:
+        if (run.dir / RUN_MAPS).is_file():
+            with np.load(run.dir / RUN_MAPS) as data:
+                arrays.update({f"{run.task.name}/{run.init.label}/{key}": data[key] for key in data.files})
+    if arrays:
+        np.savez_compressed(path, **arrays)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------ from the files
+def _float(text: str) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+def load(path: str | Path, maps: bool = True) -> ResultSet:
+    """Read a result directory (study.json and results.csv; curves.csv.gz and attention_maps.npz if there)."""
+    path = Path(path)
+    for name in (STUDY_FILE, RESULTS_FILE):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path} is not a study's result directory: it has no {name} (a study writes "
+                                    "it; `maskprior study -c FILE --table_only true` rewrites it from the runs)")
+    info = json.loads((path / STUDY_FILE).read_text())
+    tasks = [TaskInfo(t["name"], t.get("paper", t["name"]), [Metric(**m) for m in t["metrics"]],
+                      list(t.get("curves", [])), t.get("train_fraction")) for t in info["tasks"]]
+    inits = [InitInfo(i["name"], i.get("label", i["name"])) for i in info["inits"]]
+    runs = []
+    with open(path / RESULTS_FILE, newline="") as f:
+        fixed = {"task", "init", "seed", "status", "seconds", "precision", "error"}
+        for row in csv.DictReader(f):
+            values = {k: v for k, v in ((k, _float(v)) for k, v in row.items() if k not in fixed) if v is not None}
+            runs.append(RunRow(row["task"], row["init"], int(row["seed"]), row["status"], _float(row.get("seconds")),
+                               row.get("precision") or None, values, row.get("error") or ""))
+    result = ResultSet(path, info["title"], list(info["seeds"]), [str(t) for t in info.get("paper_tables", [])],
+                       tasks, inits, runs)
+    if (path / CURVES_FILE).is_file():
+        result.curves = {}
+        with gzip.open(path / CURVES_FILE, "rt", newline="") as f:
+            for row in csv.DictReader(f):
+                key = (row["task"], row["init"], int(row["seed"]), row["tag"])
+                result.curves.setdefault(key, []).append((int(row["step"]), _float(row["epoch"]), float(row["value"])))
+    if maps and (path / MAPS_FILE).is_file():
+        import numpy as np
+
+        result.maps = {}
+        with np.load(path / MAPS_FILE) as data:
+            for key in data.files:
+                task, init, name = key.split("/", 2)
+                result.maps.setdefault((task, init), {})[name] = data[key]
+    return result

@@ -1,0 +1,283 @@
+"""``maskprior report``: tables in the paper's layout, per-seed CSV, figures (PNG + PDF) and README sections, all from
+a result directory's data files, with no run directory."""
+
+import csv
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import CONFIGS, ROOT, TINY_BOOLEAN
+from lightning_maskprior.cli import main
+from lightning_maskprior.study import load_study, run_study
+from lightning_maskprior.study.figures import figures
+from lightning_maskprior.study.report import render, update_readme
+from lightning_maskprior.study.results import CURVES_FILE, MAPS_FILE, load, study_info
+
+INITS = ["default", "qk_opt", "mask"]
+SEEDS = [0, 1]
+METRICS = [{"tag": "test/mse", "label": "MSE", "paper": "mse"},
+           {"tag": "test/acc", "label": "acc %", "scale": 100, "digits": 2, "paper": "acc"}]
+# Per (init, seed): test MSE, test accuracy, wall seconds, persistence score at the end, half-life (None: never).
+VALUES = {
+    ("default", 0): (1.5, 0.75, 120.0, 0.9, None), ("default", 1): (1.3, 0.75, 180.0, 0.7, None),
+    ("qk_opt", 0): (1.7, 0.75, 240.0, 0.3, 10.0), ("qk_opt", 1): (1.9, 0.75, 300.0, 0.45, None),
+    ("mask", 0): (0.001, 1.0, 60.0, 1.0, None), ("mask", 1): (0.003, 1.0, 90.0, 0.99, None),
+}
+
+
+def study_dict(out_dir: Path, **changes) -> dict:
+    study = {"tasks": [{"name": "2parity", "config": str(CONFIGS / "boolean/2parity.yaml")}], "inits": INITS,
+             "seeds": SEEDS, "metrics": METRICS, "curves": ["val/acc"], "paper_tables": ["1"],
+             "launcher": "inprocess", "out_dir": str(out_dir)}
+    return {**study, **changes}
+
+
+def write_result_dir(path: Path, curves: bool = True, **changes) -> Path:
+    """A result directory as a finished study leaves it: study.json, results.csv, curves.csv.gz, attention maps."""
+    study = load_study(study_dict(path, **changes))
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "study.json").write_text(json.dumps(study_info(study)))
+    with open(path / "results.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["task", "init", "seed", "status", "seconds", "precision", "persistence/half_life",
+                         "persistence/score", "test/acc", "test/mse", "error"])
+        for task in study.tasks:
+            for (init, seed), (mse, acc, seconds, score, half) in VALUES.items():
+                writer.writerow([task.name, init, seed, "ok", seconds, "bf16-mixed", "" if half is None else half,
+                                 score, acc, mse, ""])
+    if not curves:
+        return path
+    rows = [["task", "init", "seed", "tag", "step", "epoch", "value"]]
+    for task in study.tasks:
+        for (init, seed), (_, acc, _, score, half) in VALUES.items():
+            key = [task.name, init, seed]
+            rows += [[*key, "val/acc", 9, 1, 0.6], [*key, "val/acc", 19, 2, acc], [*key, "val/mdi_acc", 19, 2, 0.75]]
+            for step in (0, 10, 20):
+                rows += [[*key, "persistence/open_mass", step, step / 10, 0.9 - (0.9 - score * 0.9) * step / 20],
+                         [*key, "persistence/score", step, step / 10, 1 - (1 - score) * step / 20],
+                         [*key, "persistence/attn_corr_rel", step, step / 10, 1.0]]
+                if step:
+                    rows.append([*key, "persistence/grad_q", step, step / 10, 10.0 ** -step])
+            if half is not None:
+                rows.append([*key, "persistence/half_life", int(half), half / 10, half])
+    with gzip.open(path / CURVES_FILE, "wt", newline="") as f:
+        csv.writer(f).writerows(rows)
+    maps = {}
+    for task in study.tasks:
+        for init in INITS:
+            for when in ("start", "end"):
+                maps[f"{task.name}/{init}/{when}"] = np.full((2, 3, 4, 4), 0.25, dtype=np.float16)
+                maps[f"{task.name}/{init}/{when}_step"] = np.array(0 if when == "start" else 20)
+            maps[f"{task.name}/{init}/structure"] = np.eye(4, dtype=bool)[None, None].repeat(2, 0).repeat(3, 1)
+    np.savez_compressed(path / MAPS_FILE, **maps)
+    return path
+
+
+@pytest.fixture
+def result_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(ROOT)
+    return write_result_dir(tmp_path / "fake")
+
+
+# ----------------------------------------------------------------------------------------------- tables
+def test_table_in_the_papers_layout(result_dir):
+    md = render(result_dir, figures=False).read_text()
+    lines = md.splitlines()
+    assert "## MSE (test/mse; lower is better)" in md and "## acc % (test/acc x 100; higher is better)" in md
+    # One table per metric; ours, then the paper's row beneath; the best mean in bold.
+    mse = lines.index("| 2parity | 1.4000 ± 0.1414 | 1.8000 ± 0.1414 | **0.0020 ± 0.0014** |")
+    assert lines[mse + 1] == "| *paper* | *1.3790* | *1.7460* | *0.0029* |"
+    acc = lines.index("| 2parity | 75.00 ± 0.00 | 75.00 ± 0.00 | **100.00 ± 0.00** |")
+    assert lines[acc + 1] == "| *paper* | *75.00* | *75.00* | *100.00* |"
+    assert "| task | Default | QK-Opt | Mask |" in md
+    # Wall time (minutes), persistence score at the end and half-life, means over seeds.
+    assert "## Wall time per run (minutes)" in md and "| 2parity | 2.5 ± 0.7 | 4.5 ± 0.7 | 1.2 ± 0.4 |" in md
+    assert "| 2parity | 0.800 ± 0.141 | 0.375 ± 0.106 | 0.995 ± 0.007 |" in md
+    assert "| 2parity | never | 10 (1/2 seeds; the others never) | never |" in md
+    assert "precision: bf16-mixed (all 6 runs)" in md
+    assert "do not edit by hand" in md
+
+
+def test_ties_are_not_bold(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = write_result_dir(tmp_path / "fake", curves=False, inits=["default", "qk_opt"])
+    md = render(path, figures=False).read_text()
+    assert "| 2parity | 75.00 ± 0.00 | 75.00 ± 0.00 |" in md  # every method ties: nothing is bold
+    assert "| 2parity | **1.4000 ± 0.1414** | 1.8000 ± 0.1414 |" in md
+
+
+def test_per_seed_csv_holds_the_inputs(result_dir):
+    render(result_dir, figures=False)
+    with open(result_dir / "per_seed.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(VALUES)
+    for row in rows:
+        mse, acc, seconds, score, half = VALUES[(row["init"], int(row["seed"]))]
+        assert row["task"] == "2parity" and row["status"] == "ok" and row["precision"] == "bf16-mixed"
+        assert float(row["MSE"]) == pytest.approx(mse) and float(row["acc %"]) == pytest.approx(acc * 100)
+        assert float(row["wall_seconds"]) == seconds and float(row["persistence_score_end"]) == pytest.approx(score)
+        assert row["half_life_step"] == ("" if half is None else str(half))
+    with open(result_dir / "table.csv") as f:
+        table = {row["task"]: row for row in csv.DictReader(f)}
+    assert float(table["2parity"]["mask:MSE:mean"]) == pytest.approx(0.002)
+    assert float(table["2parity"]["qk_opt:half-life:mean"]) == 10.0 and table["2parity"]["mask:MSE:paper"] == "0.0029"
+
+
+# ---------------------------------------------------------------------------------------------- figures
+def test_figures_have_labels_references_and_fixed_ranges(result_dir):
+    made = figures(load(result_dir))
+    assert set(made) == {"2parity_curves", "persistence", "2parity_persistence", "2parity_attention_maps"}
+    for name, fig in made.items():
+        assert fig.legends or name.endswith("attention_maps"), name  # legends sit outside the panels
+        for ax in fig.axes:
+            assert ax.get_legend() is None, name
+            if ax.lines:  # every panel with data says what its axes are
+                assert ax.get_xlabel() and ax.get_ylabel(), (name, ax.get_title())
+        assert any(ax.get_xlabel() for ax in fig.axes) and any(ax.get_ylabel() for ax in fig.axes), name
+    curves = made["2parity_curves"].axes[0]
+    assert curves.get_ylabel() == "accuracy, full cube (%)" and curves.get_xlabel() == "epoch"
+    assert any(list(line.get_ydata()) == [75.0, 75.0] for line in curves.lines)  # the MDI's accuracy
+    assert sum(line.get_marker() == "*" for line in curves.lines) == 3  # the paper's number per init
+    assert made["persistence"].axes[0].get_ylim() == (0, 1.05)
+    detail = {ax.get_ylabel(): ax for ax in made["2parity_persistence"].axes}
+    assert detail["attention mass on the structure"].get_ylim()[1] == pytest.approx(1.05)
+    assert detail["corr(attention, structure)\n/ step 0"].get_ylim() == pytest.approx((0, 1.05))  # flat looks flat
+    assert detail["‖∂L/∂Wq‖ (Frobenius)"].get_yscale() == "log"
+    half_life = detail["half-life (optimizer steps)"]
+    assert all(line.get_linestyle() == "None" for line in half_life.lines)  # one value per run: markers, no line
+    assert len(half_life.patches) == 1  # a bar only where a run reached it (qk_opt)
+
+
+def test_figures_are_written_as_png_and_pdf(result_dir):
+    render(result_dir)
+    names = {"2parity_curves", "persistence", "2parity_persistence", "2parity_attention_maps"}
+    for name in names:
+        for suffix in (".png", ".pdf"):
+            assert (result_dir / "figures" / f"{name}{suffix}").stat().st_size > 1000
+    md = (result_dir / "table.md").read_text()
+    assert "![persistence](figures/persistence.png)" in md
+
+
+def test_fraction_sweep_is_drawn_against_the_training_fraction(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    config = str(CONFIGS / "arithmetic/addition.yaml")
+    tasks = [{"name": "addition_1pct", "config": config, "args": ["--data.init_args.train_fraction", "0.01"]},
+             {"name": "addition_10pct", "config": config, "args": ["--data.init_args.train_fraction=0.1"]}]
+    path = write_result_dir(tmp_path / "sweep", curves=False, tasks=tasks,
+                            metrics=[{"tag": "test/acc", "label": "acc %", "scale": 100}])
+    assert [t.train_fraction for t in load(path).tasks] == [0.01, 0.1]
+    made = figures(load(path))
+    assert set(made) == {"fraction_sweep"}  # no curves: only what results.csv allows
+    ax = made["fraction_sweep"].axes[0]
+    assert ax.get_xscale() == "log" and ax.get_xlabel() == "training fraction (% of all pairs)"
+    assert ax.get_ylabel() == "acc %"
+
+
+def test_missing_curves_give_tables_and_a_note(result_dir, capsys):
+    (result_dir / CURVES_FILE).unlink()
+    (result_dir / MAPS_FILE).unlink()
+    main(["report", str(result_dir)])
+    assert "tables only" in capsys.readouterr().out
+    md = (result_dir / "table.md").read_text()
+    assert "No curves.csv.gz here" in md and "## Figures" not in md
+    assert not (result_dir / "figures").exists()
+
+
+# ------------------------------------------------------------------------------------- command, README
+def test_report_command_regenerates_and_checks(result_dir, tmp_path, capsys):
+    main(["report", str(result_dir)])
+    md = (result_dir / "table.md").read_text()
+    main(["report", "--check", str(result_dir)])  # up to date: no exit
+    (result_dir / "table.md").write_text(md.replace("0.0020", "0.0010"))  # a hand edit
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", "--check", str(result_dir)])
+    assert exit_info.value.code == 1 and "table.md" in capsys.readouterr().err
+    main(["report", str(result_dir)])
+    assert (result_dir / "table.md").read_text() == md
+    # Publishing into another directory copies the data files: that copy regenerates on its own.
+    main(["report", str(result_dir), "--out_dir", str(tmp_path / "published")])
+    published = tmp_path / "published"
+    assert (published / CURVES_FILE).is_file() and (published / "figures/persistence.pdf").is_file()
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path)])  # not a result directory: named
+    assert f"{tmp_path} is not a study's result directory" in capsys.readouterr().err
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    out = capsys.readouterr().out
+    for option in ("RESULT_DIR", "--readme", "--out_dir", "--no_figures", "--check"):
+        assert option in out
+    assert "<!-- results: NAME -->" in out
+
+
+def test_readme_sections_are_replaced_idempotently(result_dir, tmp_path):
+    readme = tmp_path / "README.md"
+    before = "# Project\n\nIntro.\n\n"
+    after = "\nOutro, hand-written.\n\n<!-- results: other -->\nleft alone\n<!-- /results -->\n"
+    readme.write_text(before + "<!-- results: fake -->\nold hand-edited table\n<!-- /results -->\n" + after)
+    render(result_dir)
+    assert update_readme(readme, [result_dir]) == (["fake"], ["fake"])
+    text = readme.read_text()
+    assert text.startswith(before) and text.endswith(after) and "old hand-edited" not in text
+    assert "### " in text and "| 2parity | 1.4000 ± 0.1414 | 1.8000 ± 0.1414 | **0.0020 ± 0.0014** |" in text
+    assert "](fake/figures/persistence.png)" in text  # links relative to the README
+    assert update_readme(readme, [result_dir]) == (["fake"], [])
+    assert readme.read_text() == text
+
+
+def test_readme_results_are_what_report_generates():
+    """The README's result sections and docs/results/*/table.md are generated: none was edited by hand.
+    After a new study run: `maskprior report --readme README.md docs/results/*`."""
+    dirs = sorted(str(p) for p in (ROOT / "docs/results").iterdir() if (p / "study.json").is_file())
+    assert dirs, "docs/results has no result directory with study.json"
+    main(["report", "--check", "--readme", str(ROOT / "README.md"), *dirs])  # exit 1 names what is out of date
+    replaced, _ = update_readme(ROOT / "README.md", [Path(d) for d in dirs], write=False)
+    assert "boolean_cpu" in replaced
+
+
+# -------------------------------------------------------------------------------- a real tiny study
+def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch):
+    """Real runs: the study's data files alone (no run directory) regenerate its tables, as --table_only does."""
+    monkeypatch.chdir(ROOT)
+    persistence = [{"class_path": "lightning_maskprior.callbacks.PriorPersistence",
+                    "init_args": {"every_n_steps": 1, "probe_size": 16}}]
+    args = [*TINY_BOOLEAN, "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "1",
+            "--trainer.enable_model_summary", "false", "--trainer.callbacks", json.dumps(persistence),
+            "--data.init_args.batch_size", "16"]
+    config = study_dict(tmp_path / "out", inits=["default", "mask"], seeds=[0], args=args, test=False,
+                        metrics=[{"tag": "val/mse", "label": "MSE"}], curves=["val/acc"])
+    assert run_study(load_study(config), log=lambda *a, **k: None) == 0
+    out = tmp_path / "out"
+    result = load(out)
+    assert {r.precision for r in result.runs} <= {"32-true", "bf16-mixed"} and all(r.precision for r in result.runs)
+    assert all("persistence/score" in r.values for r in result.runs)
+    tags = {key[3] for key in result.curves}
+    assert {"val/acc", "val/mdi_acc", "persistence/open_mass", "persistence/score"} <= tags
+    assert not any(t.startswith("persistence_heads/") or t.count("/") > 1 for t in tags)
+    val = result.curves[("2parity", "mask", 0, "val/acc")]
+    assert [epoch for _, epoch, _ in val] == [1.0, 2.0]  # epochs elapsed at each validation
+    maps = result.maps[("2parity", "mask")]
+    assert maps["start"].shape == maps["end"].shape == maps["structure"].shape and int(maps["start_step"]) == 0
+    assert set(figures(result)) >= {"2parity_curves", "persistence", "2parity_persistence", "2parity_attention_maps"}
+    # A published copy of the data files, without run directories, gives the same tables.
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("study.json", "results.csv", CURVES_FILE, MAPS_FILE):
+        shutil.copyfile(out / name, copy / name)
+    render(copy)
+    for name in ("per_seed.csv", "table.csv"):
+        assert (copy / name).read_text() == (out / name).read_text()
+    # The same table.md (its last note names the directory it came from).
+    assert (copy / "table.md").read_text().replace("from copy/", "from out/") == (out / "table.md").read_text()
+    assert sorted(p.name for p in (copy / "figures").iterdir()) == sorted(p.name for p in (out / "figures").iterdir())
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["study", "-c", str(path), "--table_only", "true"])
+    assert (out / "figures" / "persistence.pdf").is_file()
