@@ -32,14 +32,15 @@ def run(config: str, init: str, root: Path, extra: list[str]) -> None:
 
 
 def summary(root: Path, init: str) -> dict[str, object]:
-    runs = sorted((root / init).glob("lightning_logs/version_*"), key=lambda p: int(p.name.split("_")[1]))
+    # <root>/<init>/<task>-<init>-seed<k>/version_N (cli.run_name); the newest run counts.
+    runs = sorted((root / init).glob("*/version_*"), key=lambda p: p.stat().st_mtime)
     scalars = read_scalars(runs[-1])
     score = scalars["persistence/score"]
     half = scalars.get("persistence/half_life")
-    layers = sorted({t.split("/")[2] for t in scalars if t.startswith("persistence/open_mass/layer")})
+    layers = sorted({t.split("/")[2] for t in scalars if t.startswith("persistence_heads/open_mass/layer")})
     per_layer = {}
     for layer in layers:
-        heads = [v for t, v in scalars.items() if t.startswith(f"persistence/open_mass/{layer}/")]
+        heads = [v for t, v in scalars.items() if t.startswith(f"persistence_heads/open_mass/{layer}/")]
         per_layer[layer] = (sum(h[0][1] for h in heads) / len(heads), sum(h[-1][1] for h in heads) / len(heads))
     last = {k: scalars[k][-1][1] for k in ("val/acc", "val/mse", "extrapolation/closer_to_mdi") if k in scalars}
     return {"score_min": min(v for _, v in score), "score_last": score[-1][1], "steps": score[-1][0],

@@ -271,7 +271,9 @@ def fraction_sweep(result: ResultSet) -> Figure | None:
                     has_paper = True
             ax.plot(xs, means, "-o", color=color, linewidth=2, markersize=4)
         ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        fractions = sorted({t.train_fraction * 100 for t in tasks})
+        ax.set_xticks(fractions, [f"{x:g}" for x in fractions])  # a tick at every fraction trained on
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
         ax.set_xlabel("training fraction (% of all pairs)")
         ax.set_ylabel(label)
         if percent_axis:
