@@ -15,7 +15,8 @@ tell the causes apart, ``ImpulseExtrasViT`` applies the other parts while the ba
 
 This folder must be on the import path of every run (the study's child processes inherit the environment):
 
-    PYTHONPATH=$PWD/experiments/issue18/scripts maskprior study -c experiments/issue18/configs/study/digits_causes.yaml --parallel 2
+    export PYTHONPATH=$PWD/experiments/issue18/scripts
+    maskprior study -c experiments/issue18/configs/study/digits_causes.yaml --parallel 2
 
 and of anything that reopens these runs (``load_run``, ``attention_stats.py``). The same switches as init options
 of ``mask`` / ``default`` would be the permanent form (the plan's "code change V"); the runs are equivalent.

@@ -1,8 +1,9 @@
 """Seen-region MSE of Boolean runs over training, from the data files of `maskprior study` (issue 18, cyclic3).
 
-    python experiments/issue18/scripts/seen_mse.py runs/study/cyclic3_small_const [more study dirs ...] [--inits default]
+    python experiments/issue18/scripts/seen_mse.py runs/study/cyclic3_small_const [more dirs ...] [--inits default]
 
-The study must list ``val/mse`` and ``val/unseen_mse`` among its ``curves`` (the experiments/issue18/configs/study/cyclic3_*.yaml
+The study must list ``val/mse`` and ``val/unseen_mse`` among its ``curves`` (the
+experiments/issue18/configs/study/cyclic3_*.yaml
 files do). The full-cube MSE is the seen and unseen MSE weighted by their shares of the cube, so
 
     seen_mse = (mse - f * unseen_mse) / (1 - f),   f = unseen share (cyclic3: x0 = x1 = x2 = -1, 1/8).
