@@ -14,7 +14,8 @@ test column at that k is the fair comparison. docs/notes/issue-7.md measured val
 
 With ``--study``: the study's per_seed.csv (metric columns ``val ppl`` / ``test ppl``, as
 experiments/issue18/configs/study/pydoc_long.yaml labels them) as mean +- sample std over seeds per init, with
-the baselines as extra rows, and the best validation perplexity each run reached (from curves.csv.gz) to show whether it overfits before its end.
+the baselines as extra rows, and the best validation perplexity each run reached (from curves.csv.gz), to
+show whether it overfits before its end.
 Counting only: seconds.
 """
 
