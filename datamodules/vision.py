@@ -243,7 +243,7 @@ class ImageClassificationDataModule(L.LightningDataModule):
             # decides which head takes which (VisionTransformer.structure_heads).
             structure=priors.grid_impulse(side, side, name=f"3x3 impulse on {side}x{side} patches"),
             # PAPER.md: vision masks open = +10, closed = -10.
-            init_defaults={m: {"open_value": 10.0, "closed_value": -10.0} for m in ("mask", "fixed")},
+            init_defaults={m: {"open_value": 10.0, "closed_value": -10.0} for m in ("mask", "fixed", "mask_impulse")},
             extras={"img_size": self.img_size, "patch_size": self.patch_size, "in_chans": self.in_chans,
                     "num_classes": num_classes, "grid_size": (side, side)},
         )

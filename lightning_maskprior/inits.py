@@ -122,9 +122,31 @@ def _uses_structure(fn: InitMethod) -> InitMethod:
     return fn
 
 
+def _apply_extras(backbone: nn.Module, init: str, pos_scale: float, value_alpha: float, value_beta: float,
+                  qk_gain: float) -> None:
+    """The parts of the impulse init that are not its structure, for ablations (issue 18): positions x
+    ``pos_scale``, mimetic values ``Wproj Wv ~ value_alpha Z - value_beta I`` and the random Wq, Wk x ``qk_gain``.
+    The defaults (1, 0, 0, 1) leave the backbone untouched and draw no random numbers."""
+    if pos_scale != 1.0:
+        _backbone_method(backbone, "scale_positional_embedding", init)(pos_scale)
+    for layer in attention_layers(backbone):
+        if value_alpha or value_beta:
+            _mimetic_value(layer, value_alpha, value_beta)
+        if qk_gain != 1.0:
+            with torch.no_grad():
+                for weight in layer.query_key_weights():  # views into the fused qkv projection
+                    weight.mul_(qk_gain)
+
+
 @register_init("default")
-def default_init(backbone: nn.Module, structure: Structure | None) -> None:
-    """The architecture's own random init; no prior (plain attention)."""
+def default_init(backbone: nn.Module, structure: Structure | None, pos_scale: float = 1.0,
+                 value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: float = 1.0) -> None:
+    """The architecture's own random init; no prior (plain attention).
+
+    ``pos_scale``, ``value_alpha``, ``value_beta`` and ``qk_gain`` add the impulse init's non-structural parts
+    (positions x18, mimetic values 0.4 / 0.4, its query/key scale) for ablations; the defaults change nothing.
+    """
+    _apply_extras(backbone, "default", pos_scale, value_alpha, value_beta, qk_gain)
     for layer in attention_layers(backbone):
         layer.clear_prior()
 
@@ -132,9 +154,14 @@ def default_init(backbone: nn.Module, structure: Structure | None) -> None:
 @register_init("mask")
 @_uses_structure
 def mask_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
-              closed_value: float = -10.0, scale: float = 1.0) -> None:
-    """Learnable prior M: ``open_value`` on open pairs, ``closed_value`` on closed ones."""
+              closed_value: float = -10.0, scale: float = 1.0, pos_scale: float = 1.0,
+              value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: float = 1.0) -> None:
+    """Learnable prior M: ``open_value`` on open pairs, ``closed_value`` on closed ones.
+
+    ``pos_scale``, ``value_alpha``, ``value_beta``, ``qk_gain``: as for ``default`` (ablations; no change by default).
+    """
     check_open_closed(open_value, closed_value)
+    _apply_extras(backbone, "mask", pos_scale, value_alpha, value_beta, qk_gain)
     for index, (layer, open) in enumerate(_structure_layers(backbone, structure)):
         layer.set_prior(_mask_logits(structure, index, open, open_value, closed_value), True, scale)
 
@@ -142,9 +169,11 @@ def mask_init(backbone: nn.Module, structure: Structure, open_value: float = 10.
 @register_init("fixed")
 @_uses_structure
 def fixed_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
-               closed_value: float = -10.0, scale: float = 1.0) -> None:
-    """The mask prior, frozen (not trained)."""
+               closed_value: float = -10.0, scale: float = 1.0, pos_scale: float = 1.0,
+               value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: float = 1.0) -> None:
+    """The mask prior, frozen (not trained). Extras as for ``mask``."""
     check_open_closed(open_value, closed_value)
+    _apply_extras(backbone, "fixed", pos_scale, value_alpha, value_beta, qk_gain)
     for index, (layer, open) in enumerate(_structure_layers(backbone, structure)):
         layer.set_prior(_mask_logits(structure, index, open, open_value, closed_value), False, scale)
 
@@ -425,6 +454,20 @@ def impulse_init(backbone: nn.Module, structure: Structure | None, open_value: f
         if value_alpha or value_beta:
             _mimetic_value(layer, value_alpha, value_beta)
         layer.clear_prior()
+
+
+@register_init("mask_impulse")
+@_uses_structure
+def mask_impulse_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
+                      closed_value: float = -10.0, scale: float = 1.0, impulse_open_value: float = 1000.0,
+                      closed_noise: float = 3.0, pos_scale: float = 18.0, qk_scale: float = 7.0,
+                      value_alpha: float = 0.4, value_beta: float = 0.4) -> None:
+    """Both places at once (ablation, issue 18): the impulse init puts ``structure`` into Wq, Wk (with its
+    positions x``pos_scale`` and mimetic values), and the learnable prior M gets the same structure as ``mask``.
+    ``impulse_open_value`` is the impulse's ``open_value``; the other options are ``mask``'s and ``impulse``'s."""
+    impulse_init(backbone, structure, open_value=impulse_open_value, closed_noise=closed_noise,
+                 pos_scale=pos_scale, qk_scale=qk_scale, value_alpha=value_alpha, value_beta=value_beta)
+    mask_init(backbone, structure, open_value=open_value, closed_value=closed_value, scale=scale)
 
 
 # ================================================================== measuring the structure

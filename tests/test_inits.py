@@ -158,3 +158,71 @@ def test_qk_opt_can_fit_on_real_inputs_layer_by_layer():
 def test_tiny_fit_runs_with_each_query_key_init(tiny_args, capsys, init):
     main(["fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / f"init/{init}.yaml"), *tiny_args])
     assert "final validation metrics" in capsys.readouterr().out
+
+
+# ------------------------------------------------ the impulse init's parts, for ablations (issue 18)
+def _grid_model(seed: int = 0) -> "GridBackbone":
+    torch.manual_seed(seed)
+    return GridBackbone(3, 3, dim=32, depth=2, num_heads=3, head_dim=12, mlp_dim=32)
+
+
+def _impulse_structure(backbone) -> priors.Structure:
+    height, width = backbone.patch_grid()
+    return priors.grid_impulse(height, width, priors.IMPULSE_OFFSETS[:3])
+
+
+@pytest.mark.parametrize("init", ["default", "mask", "fixed"])
+def test_extras_default_to_no_change(init):
+    plain, options = _grid_model(), _grid_model()
+    structure = _impulse_structure(plain)
+    apply_init(init, plain, structure)
+    apply_init(init, options, structure, pos_scale=1.0, value_alpha=0.0, value_beta=0.0, qk_gain=1.0)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), options.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_mask_with_extras_has_the_impulse_positions_and_values_and_keeps_its_prior():
+    structure = _impulse_structure(_grid_model())
+    impulse, mask = _grid_model(), _grid_model()
+    apply_init("impulse", impulse, structure)
+    apply_init("mask", mask, structure, pos_scale=18.0, value_alpha=0.4, value_beta=0.4)
+    assert torch.equal(mask.positional_embedding(), impulse.positional_embedding())
+    assert not torch.equal(mask.positional_embedding(), _grid_model().positional_embedding())
+    for a, b in zip(attention_layers(mask), attention_layers(impulse), strict=True):
+        inner = a.inner_dim
+        for layer in (a, b):  # mimetic values in both: Wproj Wv ~ 0.4 Z - 0.4 I
+            value = (layer.proj.weight @ layer.qkv.weight[2 * inner :]).detach()
+            assert value.diagonal().mean() == pytest.approx(-0.4, abs=0.05)
+        assert not torch.equal(a.qkv.weight[:inner], b.qkv.weight[:inner])  # the QK structure is impulse's only
+        assert a.prior_logits is not None and a.prior_logits.requires_grad and b.prior_logits is None
+
+
+def test_qk_gain_scales_the_random_query_key_weights_only():
+    plain, gained = _grid_model(), _grid_model()
+    apply_init("default", plain, None)
+    apply_init("default", gained, None, qk_gain=12.5)
+    for a, b in zip(attention_layers(plain), attention_layers(gained), strict=True):
+        for wa, wb in zip(a.query_key_weights(), b.query_key_weights(), strict=True):
+            assert torch.allclose(wb, 12.5 * wa)
+        inner = a.inner_dim
+        assert torch.equal(a.qkv.weight[2 * inner :], b.qkv.weight[2 * inner :])
+
+
+def test_mask_impulse_has_the_impulse_query_keys_and_the_mask_prior():
+    structure = _impulse_structure(_grid_model())
+    impulse, both, mask = _grid_model(), _grid_model(), _grid_model()
+    torch.manual_seed(5)
+    apply_init("impulse", impulse, structure)
+    torch.manual_seed(5)
+    apply_init("mask_impulse", both, structure)
+    apply_init("mask", mask, structure)
+    for a, b, m in zip(attention_layers(impulse), attention_layers(both), attention_layers(mask), strict=True):
+        assert torch.equal(a.qkv.weight, b.qkv.weight) and torch.equal(a.proj.weight, b.proj.weight)
+        assert torch.equal(b.prior_logits, m.prior_logits) and b.prior_logits.requires_grad
+
+
+def test_extras_need_the_backbone_method():
+    spec = BooleanGOTUDataModule("2parity", n=6).task_spec()
+    layer_only = torch.nn.Sequential(PriorAttention(16, 2))
+    with pytest.raises(ValueError, match="scale_positional_embedding"):
+        apply_init("mask", layer_only, spec.structure, pos_scale=18.0)

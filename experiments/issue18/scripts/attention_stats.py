@@ -1,6 +1,5 @@
 """Attention entropy, locality and effective receptive field per layer of the ViT runs of a study (issue 18, vision).
 
-    export PYTHONPATH=$PWD/experiments/issue18/scripts
     python experiments/issue18/scripts/attention_stats.py runs/study/digits_causes \
         [--seed 0] [--images 256] [--inits mask impulse ...]
 
