@@ -83,18 +83,20 @@ def matmul_peak(dtype: str, sizes=(512, 1024, 2048), seconds: float = 0.5) -> fl
     return best
 
 
+def optimizer_step(module: MaskPriorModule, optimizer: torch.optim.Optimizer, batch, dtype: str) -> None:
+    """One plain PyTorch training step: forward under the dtype's autocast, the task's loss, backward, update."""
+    with autocast(dtype):
+        output = module(batch["inputs"])
+    loss = module.objective.loss(output, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def train_step(module: MaskPriorModule, batch, dtype: str) -> Callable[[], None]:
+    """``optimizer_step`` on a fixed batch with a fresh Adam, as a zero-argument call to time."""
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
-
-    def step() -> None:
-        with autocast(dtype):
-            output = module(batch["inputs"])
-        loss = module.objective.loss(output, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    return lambda: optimizer_step(module, optimizer, batch, dtype)
 
 
 def count_flops(step: Callable[[], None]) -> int:
@@ -201,12 +203,7 @@ def _raw_seconds(config: str, dtype: str, steps: int, skip: int) -> float:
         for batch in loader:
             if done == skip:
                 start = time.perf_counter()
-            with autocast(dtype):
-                output = raw(batch["inputs"])
-            loss = raw.objective.loss(output, batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(raw, optimizer, batch, dtype)
             done += 1
             if done == steps + skip:
                 break

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_maskprior.attention import attention_probabilities
 from lightning_maskprior.callbacks.persistence import _layers
-from lightning_maskprior.callbacks.probe import batch_inputs, probe_batch, tensorboard, to_device
+from lightning_maskprior.callbacks.probe import batch_inputs, precision_context, probe_batch, tensorboard, to_device
 
 
 def colour(maps: Tensor, cell: int, gap: int = 2) -> Tensor:
@@ -78,7 +78,8 @@ class AttentionMaps(Callback):
     def draw(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         writer = tensorboard(trainer)
         layers = _layers(pl_module)
-        probs = attention_probabilities(pl_module, batch_inputs(self._probe))
+        with precision_context(pl_module):
+            probs = attention_probabilities(pl_module, batch_inputs(self._probe))
         for l, (layer, p) in enumerate(zip(layers, probs, strict=True)):
             maps = p.float().mean(0)  # (H, N, N)
             cell = max(1, self.max_pixels // maps.shape[-1])

@@ -18,6 +18,7 @@ from lightning_maskprior.attention import PriorAttention, attention_layers, atte
 from lightning_maskprior.callbacks.probe import (
     batch_inputs,
     log_scalars,
+    precision_context,
     probe_batch,
     reference_structure,
     to_device,
@@ -157,7 +158,8 @@ class PriorPersistence(Callback):
         """Raw per layer/head values on the probe batch (no references, no gradients)."""
         layers = _layers(pl_module)
         structure = reference_structure(pl_module)
-        probs = attention_probabilities(pl_module, batch_inputs(self._probe))
+        with precision_context(pl_module):
+            probs = attention_probabilities(pl_module, batch_inputs(self._probe))
         open_all = structure.expanded(len(layers), layers[0].num_heads) if structure is not None else None
         values: dict[str, Tensor] = {}
         for l, (layer, p) in enumerate(zip(layers, probs, strict=True)):

@@ -6,6 +6,7 @@ every resumed run sees the same examples; under DDP rank zero's batch is broadca
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning as L
@@ -55,6 +56,15 @@ def batch_inputs(batch: Any) -> Tensor:
     if isinstance(batch, (list, tuple)):
         return batch[0]
     return batch
+
+
+def precision_context(pl_module: L.LightningModule):
+    """The forward context of the run's precision (bf16 autocast under ``bf16-mixed``), so that a probe costs
+    what a training forward costs and sees the attention the training sees; no-op outside a trainer."""
+    trainer = getattr(pl_module, "_trainer", None)
+    if trainer is None:
+        return contextlib.nullcontext()
+    return trainer.precision_plugin.forward_context()
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
