@@ -99,7 +99,8 @@ CASES = [
     ("init option float for an integer", fit("--model.init", "qk_opt", "--model.init_options", "{steps: 1.5}"),
      ValueError, r"init method 'qk_opt': init_options.steps must be an integer, got 1.5 \(float\)"),
     ("init option unknown", fit_mask("--model.init_options", "{opn_value: 1}"), ValueError,
-     r"init method 'mask' got unknown options \['opn_value'\]; it accepts \['closed_value', 'open_value', 'scale'\]"),
+     r"init method 'mask' got unknown options \['opn_value'\]; it accepts \['closed_value', 'open_value', "
+     r"'pos_scale', 'qk_gain', 'scale', 'value_alpha', 'value_beta'\]"),
     ("init method unknown", fit("--model.init", "maks"), ValueError,
      r"unknown init method 'maks'; expected one of \[.*'mask'"),
     ("open value below closed value", fit_mask("--model.init_options", "{open_value: -1, closed_value: 1}"),
