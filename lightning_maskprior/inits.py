@@ -138,6 +138,13 @@ def _apply_extras(backbone: nn.Module, init: str, pos_scale: float, value_alpha:
                     weight.mul_(qk_gain)
 
 
+def _install_prior(backbone: nn.Module, structure: Structure, open_value: float, closed_value: float,
+                   scale: float, trainable: bool) -> None:
+    """M of every layer from the structure (``mask``: trainable; ``fixed``: frozen)."""
+    for index, (layer, open) in enumerate(_structure_layers(backbone, structure)):
+        layer.set_prior(_mask_logits(structure, index, open, open_value, closed_value), trainable, scale)
+
+
 @register_init("default")
 def default_init(backbone: nn.Module, structure: Structure | None, pos_scale: float = 1.0,
                  value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: float = 1.0) -> None:
@@ -162,8 +169,7 @@ def mask_init(backbone: nn.Module, structure: Structure, open_value: float = 10.
     """
     check_open_closed(open_value, closed_value)
     _apply_extras(backbone, "mask", pos_scale, value_alpha, value_beta, qk_gain)
-    for index, (layer, open) in enumerate(_structure_layers(backbone, structure)):
-        layer.set_prior(_mask_logits(structure, index, open, open_value, closed_value), True, scale)
+    _install_prior(backbone, structure, open_value, closed_value, scale, True)
 
 
 @register_init("fixed")
@@ -174,8 +180,7 @@ def fixed_init(backbone: nn.Module, structure: Structure, open_value: float = 10
     """The mask prior, frozen (not trained). Extras as for ``mask``."""
     check_open_closed(open_value, closed_value)
     _apply_extras(backbone, "fixed", pos_scale, value_alpha, value_beta, qk_gain)
-    for index, (layer, open) in enumerate(_structure_layers(backbone, structure)):
-        layer.set_prior(_mask_logits(structure, index, open, open_value, closed_value), False, scale)
+    _install_prior(backbone, structure, open_value, closed_value, scale, False)
 
 
 @register_init("zero")
