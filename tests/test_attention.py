@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_maskprior.attention import PriorAttention, attention_probabilities, kernel_for
+from lightning_maskprior.attention import PriorAttention, attention_probabilities, kernel_for, softmax_rows
 
 
 def reference_attention(layer: PriorAttention, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
@@ -130,3 +130,30 @@ def test_bf16_autocast_explicit_kernel_is_close_to_fp32():
         low = layer(x)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), reference, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 31, 32, 40])
+def test_softmax_rows_matches_torch_softmax_in_value_and_gradient(n, dtype):
+    torch.manual_seed(n)
+    logits = (torch.randn(4, 3, n, n) * 4).to(dtype)
+    logits = logits.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))  # causal rows, as in LMs
+    ours_in, torch_in = logits.clone().requires_grad_(), logits.double().requires_grad_()
+    ours = softmax_rows(ours_in)
+    expected = torch_in.softmax(-1)
+    short = n < 16 or (n < 32 and dtype == torch.bfloat16)
+    assert ours.dtype == (torch.float32 if short else dtype)  # short rows come back in float32
+    tol = {"atol": 1e-6, "rtol": 1e-5} if ours.dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(ours.double(), expected, **tol)
+    assert torch.isfinite(ours).all() and (ours[..., 0, 1:] == 0).all()  # masked entries get exactly zero
+    upstream = torch.randn(4, 3, n, n)
+    ours.backward(upstream.to(ours.dtype))
+    expected.backward(upstream.double())
+    grad_tol = tol if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # the gradient is in the input dtype
+    torch.testing.assert_close(ours_in.grad.double(), torch_in.grad, **grad_tol)
+
+
+def test_softmax_rows_leaves_float64_to_torch():
+    logits = torch.randn(2, 7, dtype=torch.float64)
+    assert softmax_rows(logits).dtype == torch.float64
+    torch.testing.assert_close(softmax_rows(logits), logits.softmax(-1), rtol=0, atol=0)

@@ -1,0 +1,44 @@
+"""The benchmark scripts' own arithmetic (their timings are not tested: benchmarks/ reports them)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "step_speed.py"
+
+
+@pytest.fixture(scope="module")
+def step_speed():
+    spec = importlib.util.spec_from_file_location("step_speed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_ratio_cancels_a_slow_spell_that_hits_both_steps(step_speed):
+    # Round 3 ran 3x slower for both steps (another process, say): the paired ratio does not move.
+    fast = [1.0, 1.0, 3.0, 1.0, 1.0]
+    slow = [2.0, 2.0, 6.0, 2.0, 2.0]
+    assert step_speed.paired_ratio(fast, slow) == (0.5, 0.5, 0.5)
+    # The ratio of separately taken medians would be the same here, but not once the spell is lopsided:
+    fast, slow = [1.0, 1.0, 1.0, 3.0, 3.0], [3.0, 3.0, 6.0, 6.0, 6.0]
+    median, low, high = step_speed.paired_ratio(fast, slow)
+    assert median == pytest.approx(1 / 3) and low < median < high == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        step_speed.paired_ratio([1.0, 2.0], [1.0])  # rounds must pair up
+
+
+def test_alternate_times_every_step_in_every_round(step_speed):
+    calls = []
+    times = step_speed.alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
+    assert {key: len(t) for key, t in times.items()} == {"a": 3, "b": 3}
+    assert calls[4:] == ["a", "b"] * 3  # two warm-up calls each, then one call of each step per round, in turn
+
+
+def test_step_speed_help_lists_every_option():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
+    for option in ("--config", "--threads", "--rounds", "--iters", "--val-rounds", "--lightning-steps"):
+        assert option in out
