@@ -35,7 +35,17 @@ def test_alternate_times_every_step_in_every_round(step_speed):
     calls = []
     times = step_speed.alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
     assert {key: len(t) for key, t in times.items()} == {"a": 3, "b": 3}
-    assert calls[4:] == ["a", "b"] * 3  # two warm-up calls each, then one call of each step per round, in turn
+    rounds = [sorted(calls[i:i + 2]) for i in range(4, len(calls), 2)]  # after two warm-up calls each
+    assert rounds == [["a", "b"]] * 3  # one call of each step per round
+    assert len(calls) == 10
+
+
+def test_alternate_shuffles_the_order_of_the_steps_between_rounds(step_speed):
+    calls = []
+    steps = {key: (lambda key=key: calls.append(key)) for key in "abcd"}
+    step_speed.alternate(steps, rounds=6)
+    orders = {tuple(calls[i:i + 4]) for i in range(8, len(calls), 4)}
+    assert len(orders) > 1  # a fixed order would credit the step after a same-shaped one with its warm start
 
 
 def test_step_speed_help_lists_every_option():
