@@ -8,12 +8,13 @@ Two kernels compute the same function (the tests check they agree in value and g
 
 - ``sdpa``: ``F.scaled_dot_product_attention`` on the fused query/key/value projection. On a GPU it runs
   fused flash / memory-efficient kernels, with the prior as an additive mask.
-- ``explicit``: three projections, ``softmax(q k^T / sqrt(d) + prior) v`` as matmuls. On a CPU it is the
-  faster one in both dtypes (``benchmarks/step_speed.py``). For the 2parity CPU model (2 threads,
-  batch 256, 15 tokens, head width 64), one training step takes:
-  - fp32: explicit 117 ms against SDPA 125 ms;
-  - bf16 autocast: 52 ms against 162 ms. SDPA's CPU bf16 kernel is slower than its fp32 one at this
-    shape, and a grad-requiring prior sends SDPA to its unfused math kernel.
+- ``explicit``: the fused projection viewed as q, k and v, ``softmax(q k^T / sqrt(d) + prior) v`` as matmuls,
+  with the softmax of short rows in float32 (:func:`softmax_rows`). On a CPU it is the faster one in both
+  dtypes (``benchmarks/step_speed.py``). For the 2parity CPU model (2 threads, batch 256, 15 tokens, head
+  width 64), one training step of the default / the mask takes (session 22):
+  - fp32: explicit 106 / 111 ms against SDPA 126 / 126 ms;
+  - bf16 autocast: 58 / 53 ms against 175 / 91 ms. SDPA's CPU bf16 kernel is slower than its fp32 one at
+    this shape, and a grad-requiring prior sends SDPA to its unfused math kernel.
 
 ``kernel="auto"`` (the default) picks per device and dtype with :func:`kernel_for`.
 """
