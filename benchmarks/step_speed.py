@@ -1,6 +1,6 @@
 """How fast is a training step, in fp32 and bf16, with and without the prior, inside and outside Lightning?
 
-    python benchmarks/step_speed.py                     # the 2parity CPU config, 1 and 2 threads (~4 min)
+    python benchmarks/step_speed.py                     # the 2parity CPU config, 1 and 2 threads (~8 min)
     python benchmarks/step_speed.py --threads 2 --rounds 3
     python benchmarks/step_speed.py --config boolean/cyclic3.yaml
 
