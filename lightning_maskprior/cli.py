@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_maskprior import checks, config_files, precision, run_status
+from lightning_maskprior import allocator, checks, config_files, precision, run_status
 from lightning_maskprior.callbacks import PredictionWriter
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.resume import Diverged, RunGuard
@@ -272,6 +272,12 @@ def main(args: list[str] | None = None) -> None:
         from lightning_maskprior.study import main as study_main
 
         return study_main(argv[1:])
+    try:  # freed tensors stay in the process instead of coming back as fresh pages every step (allocator.py)
+        if allocator.enabled_by_environment():
+            allocator.keep_freed_memory()
+    except ValueError as err:
+        print(f"maskprior: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if args is None:
         sys.argv[1:] = argv  # LightningCLI (and DDP's re-launched ranks) read sys.argv
     else:
