@@ -25,7 +25,7 @@ bf16 matmul peak as the fp32 step does of the fp32 peak, the bf16/fp32 step rati
 peak; the script prints that "matmul floor" beside the target. A ratio below it means bf16 runs the step more
 efficiently than fp32 (it happens: the validation pass does), one above it that bf16 pays costs fp32 does not
 (autocast's casts, per-call overhead of small bf16 GEMMs). Where the bf16 units run at twice the fp32 rate
-(AVX512-BF16 without AMX, as on AMD Zen 4) the floor is 0.46-0.48, so 0.5 asks for bf16 to be within a few
+(AVX512-BF16 without AMX, as on AMD Zen 4) the floor is 0.43-0.48, so 0.5 asks for bf16 to be within a few
 percent of fp32's efficiency; with AMX tiles (Intel Sapphire Rapids and later) the floor is far lower.
 
 A ratio is the median over rounds of the two steps' ratio within a round, printed with its interquartile
@@ -278,7 +278,7 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.simplefilter("ignore")
     # What a `maskprior` run does at start (allocator.py); MASKPRIOR_KEEP_FREED_MEMORY=0 measures glibc's default.
-    kept = allocator.enabled_by_environment() and allocator.keep_freed_memory()
+    kept = allocator.keep_freed_memory_if_enabled()
     print(f"allocator: freed memory {'kept in the process' if kept else 'returned to the system (the C default)'}")
     if not torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported():
         print("note: this CPU has no native bf16; the bf16 rows measure emulation")

@@ -3,15 +3,17 @@
 A CPU training step allocates and frees the same few-megabyte tensors again and again. glibc's malloc serves
 blocks that large with ``mmap`` and returns them with ``munmap``, or gives the top of its heap back with
 ``brk`` once more than its trim threshold lies free there. Either way the next step's tensors land on fresh
-pages, and the kernel zeroes each one on first touch: on the 2parity CPU model (2 threads) that is about
-17,600 minor page faults per fp32 step and 4,400 per bf16 step, at about 0.7 us each, or some 11% of an fp32
-step and 5% of a bf16 one (measured; issue 16 notes). With both thresholds raised to 1 GiB, freed blocks stay
-in the heap and the next step reuses them: about 100 faults per step.
+pages, and the kernel zeroes each one on first touch. How often depends on the process's heap layout: on the
+2parity CPU model (2 threads) from about 450 to 14,000 minor page faults per fp32 step, at about 0.7 us each,
+and rarely any per bf16 step (measured; issue 16 notes, session 23). With both thresholds raised to 1 GiB,
+freed blocks stay in the heap and the next step reuses them: fp32 steps of processes that faulted heavily went
+from 114-122 ms to 93-101 ms.
 
 PyTorch's CPU tuning guide reaches the same end by swapping in tcmalloc or jemalloc with ``LD_PRELOAD``,
 which needs a system package and an environment variable set before Python starts. ``mallopt`` is glibc's
-own switch for this, callable at any time. ``maskprior`` calls :func:`keep_freed_memory` when it starts
-(``MASKPRIOR_KEEP_FREED_MEMORY=0`` turns that off); in a notebook, call it yourself.
+own switch for this, callable at any time. ``maskprior`` calls :func:`keep_freed_memory` when it starts,
+through :func:`keep_freed_memory_if_enabled` (``MASKPRIOR_KEEP_FREED_MEMORY=0`` turns that off); in a
+notebook, call it yourself.
 
 The cost: memory a run has freed stays in the process (up to 1 GiB of it beyond what is in use), instead of
 going back to the system between steps; the peak is unchanged.
@@ -68,3 +70,11 @@ def enabled_by_environment() -> bool:
     if value in ("1", "true", "yes", "on", ""):
         return True
     raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 1 or 0 (also true/false, yes/no, on/off)")
+
+
+def keep_freed_memory_if_enabled() -> bool:
+    """:func:`keep_freed_memory` unless the environment switches it off; whether freed memory is now kept.
+
+    A bad ``MASKPRIOR_KEEP_FREED_MEMORY`` raises ValueError naming it (:func:`enabled_by_environment`).
+    """
+    return enabled_by_environment() and keep_freed_memory()

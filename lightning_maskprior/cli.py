@@ -273,8 +273,7 @@ def main(args: list[str] | None = None) -> None:
 
         return study_main(argv[1:])
     try:  # freed tensors stay in the process instead of coming back as fresh pages every step (allocator.py)
-        if allocator.enabled_by_environment():
-            allocator.keep_freed_memory()
+        allocator.keep_freed_memory_if_enabled()
     except ValueError as err:
         print(f"maskprior: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
