@@ -140,8 +140,10 @@ class ArithmeticDataModule(L.LightningDataModule):
             # PAPER.md: arithmetic masks open = +5, closed = -5.
             init_defaults={
                 **{m: {"open_value": 5.0, "closed_value": -5.0} for m in ("mask", "fixed")},
-                # PAPER.md: QK-SVD target pattern open = 10000 / closed = 0; QK-Opt 2,000 iterations.
-                "qk_svd": {"open_value": 10000.0, "closed_value": 0.0},
+                # The paper: QK-SVD's target pattern open = 10000 / closed = 0, through the pseudo-inverse of the
+                # layer-normed positions (it scales positions x18 for vision only, as the impulse init:
+                # configs/init/qk_svd_pos18.yaml is that variant); QK-Opt 2,000 iterations.
+                "qk_svd": {"open_value": 10000.0, "closed_value": 0.0, "pos_scale": 1.0},
                 "qk_opt": {"steps": 2000},
             },
             extras=extras,

@@ -172,7 +172,9 @@ class PriorAttention(nn.Module):
         # backward) saved 6% of a training step at 2 threads, and was within the noise at 1 (issue 16 notes).
         qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
-        bias = self._attn_bias(seq_len, q.dtype)
+        # SDPA takes its mask in the query's dtype; the explicit kernel adds the prior to float32 logits, so
+        # that under bf16 autocast neither the sum nor the gradient of M is rounded to 8 bits of mantissa.
+        bias = self._attn_bias(seq_len, q.dtype if kernel == "sdpa" else torch.promote_types(q.dtype, torch.float32))
         is_causal = self.causal and bias is None
         if kernel == "explicit":
             probs = self.reference_probs(q, k, bias, is_causal)
@@ -192,12 +194,13 @@ class PriorAttention(nn.Module):
     def reference_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool) -> Tensor:
         """Attention probabilities computed explicitly (the reference path the tests compare with).
 
-        The result has the dtype of ``q`` (bfloat16 under autocast); on a CPU the softmax itself runs in
-        float32 (:func:`softmax_rows`).
+        The result has the dtype of ``q`` (bfloat16 under autocast). A ``bias`` in a wider dtype than ``q``
+        (the float32 prior under autocast) is added to the logits in its own dtype, and the softmax then runs
+        in it; on a CPU the softmax of short rows runs in float32 anyway (:func:`softmax_rows`).
         """
         logits = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
         if bias is not None:
-            logits = logits + bias
+            logits = logits.to(torch.promote_types(logits.dtype, bias.dtype)) + bias
         if is_causal:
             n = logits.shape[-1]
             future = torch.ones(n, n, dtype=torch.bool, device=logits.device).triu(1)

@@ -89,16 +89,29 @@ class EpochShuffleSampler(StatefulDistributedSampler):
         self.epoch = int(state_dict.get("epoch", self.epoch))
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def worker_seed(seed: int, rank: int) -> int:
+    """Seed of the generator that seeds a training loader's workers on DDP rank ``rank``: ``seed`` on rank 0
+    (a single process is unchanged), a different one on every other rank."""
+    return (int(seed) + 1_000_003 * int(rank)) % 2**63
+
+
 def train_loader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
                  drop_last: bool = False) -> StatefulDataLoader:
     """A shuffled loader whose position goes into checkpoints (exact resume, also mid-epoch and under DDP).
 
     The loader's own ``generator`` (not the global RNG) seeds worker processes, so creating a loader
-    iterator does not advance the global RNG that dropout and augmentation draw from.
+    iterator does not advance the global RNG that dropout and augmentation draw from. Its seed differs per
+    DDP rank (:func:`worker_seed`), so the workers of different ranks draw different augmentations, whether
+    or not Lightning's worker seeding is on.
     """
     return StatefulDataLoader(
         dataset, batch_size=batch_size, sampler=EpochShuffleSampler(dataset, seed=seed),
-        generator=torch.Generator().manual_seed(seed), num_workers=num_workers, drop_last=drop_last,
+        generator=torch.Generator().manual_seed(worker_seed(seed, _rank())), num_workers=num_workers,
+        drop_last=drop_last,
         collate_fn=_identity_collate if _batched(dataset) else None, persistent_workers=num_workers > 0,
     )
 

@@ -266,6 +266,17 @@ def svd_query_key(positions: Tensor, target: Tensor, head_dim: int) -> tuple[Ten
     return left.transpose(-2, -1).float(), right.float()
 
 
+def _fit_svd_layer(backbone: nn.Module, positions: Tensor, target: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+    """:func:`svd_query_key` over the backbone's patch/position tokens only.
+
+    Prefix tokens (a ViT's CLS and register tokens, ``backbone.num_prefix_tokens``) are left out of the
+    pseudo-inverse and the target, as in the reference, which fits the pattern on the patch positions
+    ``pe[1:]``; their rows and columns then follow from their own embedding.
+    """
+    prefix = int(getattr(backbone, "num_prefix_tokens", 0))
+    return svd_query_key(positions[prefix:], target[..., prefix:, prefix:], head_dim)
+
+
 @register_init("qk_svd")
 @_uses_structure
 def qk_svd_init(backbone: nn.Module, structure: Structure, open_value: float = 10000.0,
@@ -284,7 +295,7 @@ def qk_svd_init(backbone: nn.Module, structure: Structure, open_value: float = 1
     _backbone_method(backbone, "scale_positional_embedding", "qk_svd")(pos_scale)
     for (layer, open), positions in zip(pairs, _normed_positions(backbone, "qk_svd"), strict=True):
         target = torch.where(open, float(open_value), float(closed_value)).expand(layer.num_heads, -1, -1)
-        wq, wk = svd_query_key(positions, target, layer.head_dim)
+        wq, wk = _fit_svd_layer(backbone, positions, target, layer.head_dim)
         _set_query_key(layer, qk_scale * wq, qk_scale * wk)
         layer.clear_prior()
 
@@ -295,9 +306,12 @@ def fit_query_key(inputs: Tensor, target: Tensor, head_dim: int, steps: int = 20
 
     ``inputs`` (B or 1, N, dim) are what the attention sees (its normalised input); ``target``
     (heads, N, N) holds one distribution per row. Loss: MSE between ``softmax(q k^T / sqrt(head_dim))``
-    and ``target``. As in the reference, the weights start uniform in +-sqrt(1 / (head_dim heads))
-    and every ``renorm_every`` steps each query/key feature vector is rescaled to the initial mean
-    norm. Returns Wq, Wk and the loss every ``renorm_every`` steps (and the last).
+    and ``target``. As in the reference, the weights start uniform in +-sqrt(1 / (head_dim heads)),
+    and every ``renorm_every`` steps they are rescaled to the initial mean norm of a query vector: the
+    reference holds Q as (heads, dim, rank) and K as (heads, rank, dim) and normalises both over axis 1,
+    so each query vector of Wq (length dim) and each input feature's column of Wk (length head_dim) gets
+    that norm, and ``|Wk|_F / |Wq|_F = sqrt(dim / head_dim)``. Returns Wq, Wk and the loss every
+    ``renorm_every`` steps (and the last).
     """
     heads, dim = target.shape[0], inputs.shape[-1]
     bound = (1.0 / (head_dim * heads)) ** 0.5
@@ -310,8 +324,8 @@ def fit_query_key(inputs: Tensor, target: Tensor, head_dim: int, steps: int = 20
     for step in range(steps + 1):
         if renorm_every and step % renorm_every == 0 and step < steps:
             with torch.no_grad():
-                for w in (wq, wk):
-                    w.mul_(norm0 / w.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+                wq.mul_(norm0 / wq.norm(dim=-1, keepdim=True).clamp_min(1e-12))  # over dim: each query vector
+                wk.mul_(norm0 / wk.norm(dim=-2, keepdim=True).clamp_min(1e-12))  # over head_dim, as the reference
         q, k = x @ wq.transpose(-2, -1), x @ wk.transpose(-2, -1)  # (B, heads, N, head_dim)
         probs = (q @ k.transpose(-2, -1) / head_dim**0.5).softmax(dim=-1)
         loss = F.mse_loss(probs, target.expand_as(probs))
@@ -398,17 +412,34 @@ def mimetic_pair(dim: int, alpha: float, beta: float, sign: float, rank: int) ->
     return left.float(), right.float()
 
 
-def _mimetic_value(layer: PriorAttention, alpha: float, beta: float) -> None:
-    """Wproj Wv ~ alpha Z - beta I (zero-padded where the attention is wider than the model)."""
-    left, right = mimetic_pair(layer.dim, alpha, beta, -1.0, layer.inner_dim)
+def mimetic_values(dim: int, inner_dim: int, alpha: float, beta: float) -> tuple[Tensor, Tensor]:
+    """Wv (inner_dim, dim) and Wproj (dim, inner_dim) with ``Wproj Wv ~ alpha Z - beta I``, every head alive.
+
+    The target is split by SVD at rank ``r = min(inner_dim, dim)``, ``L R`` with ``L = U sqrt(S)`` and
+    ``R = sqrt(S) V^T`` (:func:`mimetic_pair`), and carried through the attention's ``inner_dim`` features by
+    a matrix ``Q`` (inner_dim, r) with orthonormal columns: ``Wv = Q R``, ``Wproj = L Q^T``, so
+    ``Wproj Wv = L Q^T Q R = L R`` exactly. Where the attention is as wide as the model or narrower
+    (``inner_dim <= dim``, the reference's ViT), ``Q`` is the identity and this is the reference's split.
+    Where it is wider, writing ``R`` into the first ``r`` rows alone would leave the last heads with zero
+    Wv rows and Wproj columns, which get zero gradient for the whole run; ``Q`` is then drawn uniformly
+    (QR of a Gaussian matrix), which spreads the same product over every head.
+    """
+    left, right = mimetic_pair(dim, alpha, beta, -1.0, inner_dim)
     rank = right.shape[0]
-    inner = layer.inner_dim
+    if inner_dim <= dim:
+        return right, left
+    spread, upper = torch.linalg.qr(torch.randn(inner_dim, rank, dtype=torch.float64))
+    spread = spread * upper.diagonal().sign()  # the unique Haar-distributed orthonormal frame
+    spread = spread.float()
+    return spread @ right, left @ spread.transpose(0, 1)
+
+
+def _mimetic_value(layer: PriorAttention, alpha: float, beta: float) -> None:
+    """Wproj Wv ~ alpha Z - beta I in one attention layer (:func:`mimetic_values`)."""
+    wv, wproj = mimetic_values(layer.dim, layer.inner_dim, alpha, beta)
     with torch.no_grad():
-        wv = layer.qkv.weight[2 * inner :]
-        wv.zero_()
-        wv[:rank] = right
-        layer.proj.weight.zero_()
-        layer.proj.weight[:, :rank] = left
+        layer.qkv.weight[2 * layer.inner_dim :] = wv
+        layer.proj.weight.copy_(wproj)
 
 
 @register_init("mimetic")
@@ -454,7 +485,7 @@ def impulse_init(backbone: nn.Module, structure: Structure | None, open_value: f
         open = open.expand(layer.num_heads, -1, -1)
         noise = nn.init.trunc_normal_(torch.empty(open.shape), std=0.6)
         target = torch.where(open, float(open_value), closed_noise * noise)
-        wq, wk = svd_query_key(positions, target, layer.head_dim)
+        wq, wk = _fit_svd_layer(backbone, positions, target, layer.head_dim)
         _set_query_key(layer, qk_scale * wq, qk_scale * wk)
         if value_alpha or value_beta:
             _mimetic_value(layer, value_alpha, value_beta)

@@ -89,9 +89,10 @@ class MaskPriorModule(L.LightningModule):
         optimizer: Optimizer class and its arguments (default Adam, lr 1e-3).
         lr_schedule: ``constant`` or ``cosine`` decay to 0 over the whole run, stepped per batch.
         warmup_steps: Linear warm-up steps before the schedule.
-        prior_weight_decay: Weight decay applied to the prior logits M. 0 by default: decay pulls M
-            towards 0 and would erase the structure for a reason unrelated to the task's gradients.
-            Every other parameter keeps the optimizer's weight decay, for every init method.
+        prior_weight_decay: Weight decay applied to the prior logits M; ``null``: the optimizer's own, as for
+            every other parameter. 0 by default: decay pulls M towards 0, a pull unrelated to the task's
+            gradients (measured in the results: the mask's persistence with and without it). Every other
+            parameter keeps the optimizer's weight decay, for every init method.
         task: Given by the datamodule (the CLI links it); not set in YAML.
         datamodule: The datamodule the model is trained on, as ``{class_path, init_args}``; the CLI links it
             and checkpoints keep it, so ``MaskPriorModule.load_from_checkpoint(path)`` rebuilds the task (and
@@ -107,7 +108,7 @@ class MaskPriorModule(L.LightningModule):
         optimizer: OptimizerCallable = _adam,
         lr_schedule: Literal["constant", "cosine"] = "cosine",
         warmup_steps: int = 0,
-        prior_weight_decay: float = 0.0,
+        prior_weight_decay: float | None = 0.0,
         task: TaskSpec | None = None,
         datamodule: dict[str, Any] | None = None,
     ) -> None:
@@ -121,9 +122,12 @@ class MaskPriorModule(L.LightningModule):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a whole number of steps >= 0, got {warmup_steps!r}")
-        if not (isinstance(prior_weight_decay, int | float) and 0 <= prior_weight_decay < math.inf):
-            raise ValueError(f"prior_weight_decay must be a finite number >= 0 (0: no decay of M), "
-                             f"got {prior_weight_decay!r}")
+        if prior_weight_decay is not None and not (
+            isinstance(prior_weight_decay, int | float) and not isinstance(prior_weight_decay, bool)
+            and 0 <= prior_weight_decay < math.inf
+        ):
+            raise ValueError(f"prior_weight_decay must be a finite number >= 0 (0: no decay of M) or null (the "
+                             f"optimizer's own), got {prior_weight_decay!r}")
         if init_options is not None and not isinstance(init_options, dict):
             raise ValueError(f"init_options must be a mapping of option: value, got {init_options!r}")
         get_init(init)  # fail early on an unknown name
@@ -232,7 +236,10 @@ class MaskPriorModule(L.LightningModule):
         # init, train/lr/prior beside it when there is a prior).
         groups = [{"params": other, "name": "network"}]
         if prior:
-            groups.append({"params": prior, "weight_decay": self.prior_weight_decay, "name": "prior"})
+            group = {"params": prior, "name": "prior"}
+            if self.prior_weight_decay is not None:  # None: the optimizer's own weight decay
+                group["weight_decay"] = self.prior_weight_decay
+            groups.append(group)
         optimizer = self.optimizer_factory(groups)
         if self.lr_schedule == "constant" and self.warmup_steps == 0:
             return optimizer

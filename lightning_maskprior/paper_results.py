@@ -1,6 +1,6 @@
 """The paper's published numbers (Ma et al., arXiv 2608.00418), as data, for `maskprior study` tables.
 
-Transcribed from /work/shared/PAPER.md: Tables 1, 2, 3, 4 and 6. Accuracies are in percent, as the
+Transcribed from the paper: Tables 1, 2, 3, 4 and 6. Accuracies are in percent, as the
 paper prints them. ``None`` marks a cell the paper leaves empty ("-").
 """
 
@@ -18,6 +18,14 @@ METHOD_LABELS: dict[str, str] = {
     "qk_opt": "QK-Opt",
     "mimetic": "Mimetic",
     "impulse": "Impulse",
+}
+
+# Column names of the labelled variants of a method that a study runs beside the paper's settings.
+VARIANT_LABELS: dict[str, str] = {
+    "qk_svd_strong": "QK-SVD (positions x50)",
+    "qk_opt_strong": "QK-Opt (positions x50, lr 1e-2, 500 steps)",
+    "qk_svd_pos18": "QK-SVD (positions x18)",
+    "mask_decayed": "Mask (M under weight decay)",
 }
 
 

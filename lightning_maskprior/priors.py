@@ -196,17 +196,20 @@ def diagonal(n: int, name: str = "diagonal") -> Structure:
     return Structure(torch.eye(n, dtype=torch.bool), name=name)
 
 
-def cyclic_window(n: int, offsets: Sequence[int] = (0, 1, 2), name: str = "cyclic_window") -> Structure:
+def cyclic_window(n: int, offsets: Sequence[int] = (0, 1, 2), name: str = "cyclic_window",
+                  open_diagonal: bool = True) -> Structure:
     """Token i attends to tokens (i + o) mod n for each offset o, in every layer.
 
     Composed over layers the receptive field grows, so a window of three consecutive bits (Cyclic3's
-    monomials x_i x_{i+1} x_{i+2}) is covered already by the first layer.
+    monomials x_i x_{i+1} x_{i+2}) is covered already by the first layer. ``open_diagonal`` (the default)
+    also opens every token's own entry, whatever the offsets; False keeps exactly the offsets' pairs
+    (offsets without 0 then close the own entry, as ``configs/boolean/cyclic3_small.yaml`` does).
     """
     open = torch.zeros(n, n, dtype=torch.bool)
     idx = torch.arange(n)
     for offset in offsets:
         open[idx, (idx + int(offset)) % n] = True
-    if not (open.diagonal()).all():
+    if open_diagonal:
         open |= torch.eye(n, dtype=torch.bool)
     return Structure(open, name=name)
 

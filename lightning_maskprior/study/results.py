@@ -47,6 +47,7 @@ class TaskInfo:
 class InitInfo:
     name: str  # the init method
     label: str  # its column and directory name
+    variant: str = ""  # what the study adds to the method's task defaults (config files, arguments); "" for none
 
 
 @dataclass
@@ -89,6 +90,11 @@ def train_fraction(args: list[str]) -> float | None:
         return None
 
 
+def init_variant(configs: list[Path], args: list[str]) -> str:
+    """What an init entry adds to its method's task defaults: its config files (by name) and arguments."""
+    return " ".join([*(Path(c).name for c in configs), *args])
+
+
 def study_info(study: Study) -> dict[str, Any]:
     """The content of study.json."""
     return {
@@ -98,7 +104,7 @@ def study_info(study: Study) -> dict[str, Any]:
         "paper_tables": list(study.paper_tables),
         "tasks": [{"name": t.name, "paper": t.paper, "train_fraction": train_fraction([*study.args, *t.args]),
                    "metrics": [asdict(m) for m in t.metrics], "curves": list(t.curves)} for t in study.tasks],
-        "inits": [{"name": i.name, "label": i.label} for i in study.inits],
+        "inits": [{"name": i.name, "label": i.label, "variant": init_variant(i.configs, i.args)} for i in study.inits],
     }
 
 
@@ -228,7 +234,7 @@ def load(path: str | Path, maps: bool = True) -> ResultSet:
     info = json.loads((path / STUDY_FILE).read_text())
     tasks = [TaskInfo(t["name"], t.get("paper", t["name"]), [Metric(**m) for m in t["metrics"]],
                       list(t.get("curves", [])), t.get("train_fraction")) for t in info["tasks"]]
-    inits = [InitInfo(i["name"], i.get("label", i["name"])) for i in info["inits"]]
+    inits = [InitInfo(i["name"], i.get("label", i["name"]), i.get("variant", "")) for i in info["inits"]]
     runs = []
     with open(path / RESULTS_FILE, newline="") as f:
         fixed = {"task", "init", "seed", "status", "seconds", "precision", "error"}

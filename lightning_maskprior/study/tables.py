@@ -29,8 +29,18 @@ class Cell:
 
 
 def method_label(init: InitInfo) -> str:
-    """The paper's name of the method (QK-SVD, Mask, ...) unless the study gave the init its own label."""
-    return paper_results.METHOD_LABELS.get(init.name, init.label) if init.label == init.name else init.label
+    """The paper's name of the method (QK-SVD, Mask, ...), or of a named variant of it ("QK-SVD (positions x50)"),
+    unless the study gave the init a label of its own."""
+    if init.label == init.name:
+        return paper_results.METHOD_LABELS.get(init.name, init.label)
+    return paper_results.VARIANT_LABELS.get(init.label, init.label)
+
+
+def _columns_note(result: ResultSet) -> str:
+    """Which variant each column is: the method's task defaults (the paper's settings) plus what the study adds."""
+    parts = [f"{method_label(i)}: `{i.name}`" + (f" + `{i.variant}`" if i.variant else "") for i in result.inits]
+    return ("- Columns: each init method with its task's defaults (the paper's settings where the paper states them"
+            "), plus what the study adds: " + "; ".join(parts) + ".")
 
 
 def _stats(values: list[float]) -> Cell:
@@ -172,6 +182,7 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
                  "one seed; \"k/n seeds\": only k runs counted). Each seed's value: "
                  f"[per_seed.csv]({link_base}per_seed.csv); every run with its status: [results.csv]({link_base}"
                  "results.csv).")
+    lines.append(_columns_note(result))
     lines.append("- Bold: the best mean of each task in each metric's table; ties at the printed precision are all "
                  "bold, and nothing is bold where every method ties.")
     if result.paper_tables:
