@@ -281,3 +281,30 @@ def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump(config))
     main(["study", "-c", str(path), "--table_only", "true"])
     assert (out / "figures" / "persistence.pdf").is_file()
+
+
+def test_a_labelled_variant_gets_its_name_and_every_column_says_what_it_ran(tmp_path):
+    inits = ["default", {"name": "qk_opt", "label": "qk_opt_strong", "config": str(CONFIGS / "init/qk_opt_strong.yaml")},
+             {"name": "mask", "label": "mask_decayed", "args": ["--model.prior_weight_decay", "null"]}]
+    study = load_study(study_dict(tmp_path / "out", inits=inits))
+    info = study_info(study)
+    assert [i["variant"] for i in info["inits"]] == ["", "qk_opt_strong.yaml", "--model.prior_weight_decay null"]
+    path = tmp_path / "result"
+    path.mkdir()
+    (path / "study.json").write_text(json.dumps(info))
+    with open(path / "results.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["task", "init", "seed", "status", "seconds", "precision", "test/acc", "test/mse", "error"])
+        for label in ("default", "qk_opt_strong", "mask_decayed"):
+            writer.writerow(["2parity", label, 0, "ok", 60.0, "bf16-mixed", 0.75, 1.4, ""])
+    text = render(path, figures=False).read_text()
+    assert "| task | Default | QK-Opt (positions x50, lr 1e-2, 500 steps) | Mask (M under weight decay) |" in text
+    assert ("- Columns: each init method with its task's defaults (the paper's settings where the paper states "
+            "them), plus what the study adds: Default: `default`; QK-Opt (positions x50, lr 1e-2, 500 steps): "
+            "`qk_opt` + `qk_opt_strong.yaml`; Mask (M under weight decay): `mask` + "
+            "`--model.prior_weight_decay null`.") in text
+    # A study.json written before variants were recorded says nothing it cannot know.
+    for entry in info["inits"]:
+        del entry["variant"]
+    (path / "study.json").write_text(json.dumps(info))
+    assert "- Columns:" not in render(path, figures=False).read_text()

@@ -100,7 +100,7 @@ def test_shipped_studies_validate(path, monkeypatch):
             if metric.paper is not None:  # every paper key the study names exists in the paper's tables
                 assert any(metric.paper in paper_results.TABLES[t]["metrics"] for t in study.paper_tables)
     if path.stem == "boolean_cpu":
-        assert len(study.runs()) == 96  # 4 tasks x 8 columns (the paper's five, two stronger QK variants, M decayed) x 3
+        assert len(study.runs()) == 96  # 4 tasks x 8 columns (the five methods, 2 stronger QK, M decayed) x 3 seeds
 
 
 @pytest.mark.parametrize(

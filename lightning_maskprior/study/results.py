@@ -47,7 +47,8 @@ class TaskInfo:
 class InitInfo:
     name: str  # the init method
     label: str  # its column and directory name
-    variant: str = ""  # what the study adds to the method's task defaults (config files, arguments); "" for none
+    variant: str | None = None  # what the study adds to the method's task defaults (config files, arguments);
+    # "" for nothing, None where study.json does not record it (studies written before it did)
 
 
 @dataclass
@@ -234,7 +235,7 @@ def load(path: str | Path, maps: bool = True) -> ResultSet:
     info = json.loads((path / STUDY_FILE).read_text())
     tasks = [TaskInfo(t["name"], t.get("paper", t["name"]), [Metric(**m) for m in t["metrics"]],
                       list(t.get("curves", [])), t.get("train_fraction")) for t in info["tasks"]]
-    inits = [InitInfo(i["name"], i.get("label", i["name"]), i.get("variant", "")) for i in info["inits"]]
+    inits = [InitInfo(i["name"], i.get("label", i["name"]), i.get("variant")) for i in info["inits"]]
     runs = []
     with open(path / RESULTS_FILE, newline="") as f:
         fixed = {"task", "init", "seed", "status", "seconds", "precision", "error"}

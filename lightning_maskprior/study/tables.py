@@ -36,8 +36,11 @@ def method_label(init: InitInfo) -> str:
     return paper_results.VARIANT_LABELS.get(init.label, init.label)
 
 
-def _columns_note(result: ResultSet) -> str:
-    """Which variant each column is: the method's task defaults (the paper's settings) plus what the study adds."""
+def _columns_note(result: ResultSet) -> str | None:
+    """Which variant each column is: the method's task defaults (the paper's settings) plus what the study adds;
+    None for a study whose study.json does not record it."""
+    if any(i.variant is None for i in result.inits):
+        return None
     parts = [f"{method_label(i)}: `{i.name}`" + (f" + `{i.variant}`" if i.variant else "") for i in result.inits]
     return ("- Columns: each init method with its task's defaults (the paper's settings where the paper states them"
             "), plus what the study adds: " + "; ".join(parts) + ".")
@@ -182,7 +185,9 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
                  "one seed; \"k/n seeds\": only k runs counted). Each seed's value: "
                  f"[per_seed.csv]({link_base}per_seed.csv); every run with its status: [results.csv]({link_base}"
                  "results.csv).")
-    lines.append(_columns_note(result))
+    columns = _columns_note(result)
+    if columns:
+        lines.append(columns)
     lines.append("- Bold: the best mean of each task in each metric's table; ties at the printed precision are all "
                  "bold, and nothing is bold where every method ties.")
     if result.paper_tables:
