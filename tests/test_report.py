@@ -284,7 +284,8 @@ def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch):
 
 
 def test_a_labelled_variant_gets_its_name_and_every_column_says_what_it_ran(tmp_path):
-    inits = ["default", {"name": "qk_opt", "label": "qk_opt_strong", "config": str(CONFIGS / "init/qk_opt_strong.yaml")},
+    strong = str(CONFIGS / "init/qk_opt_strong.yaml")
+    inits = ["default", {"name": "qk_opt", "label": "qk_opt_strong", "config": strong},
              {"name": "mask", "label": "mask_decayed", "args": ["--model.prior_weight_decay", "null"]}]
     study = load_study(study_dict(tmp_path / "out", inits=inits))
     info = study_info(study)
