@@ -262,6 +262,64 @@ def check_checkpoint_fits(checkpoint: Mapping[str, Any], model: nn.Module, path:
         raise CheckpointError(f"{name} {problem}")
 
 
+# The datamodule options that say where the data is read from, or how it is batched and evaluated: a checkpoint
+# may be tested or resumed with others. Every other option defines the task, and must be the checkpoint's.
+RUN_ONLY_DATA_OPTIONS = frozenset({"batch_size", "eval_batch_size", "num_workers", "val_size", "test_size",
+                                   "num_test_stories", "download", "root", "data_dir", "cache_dir"})
+# The model options that decide what was trained (the structure and where it went), beside the datamodule.
+BINDING_MODEL_OPTIONS = ("init", "init_options", "structure")
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain data, for comparison: Namespaces as dicts, None options as {}."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def binding_mismatch(hparams: Mapping[str, Any], model: Mapping[str, Any], data: Mapping[str, Any] | None) -> list[str]:
+    """What a checkpoint was trained on that the config does not ask for: ``option: checkpoint X, config Y`` lines.
+
+    ``hparams`` are the checkpoint's hyperparameters; ``model`` and ``data`` the config's ``model`` and ``data``
+    entries. The datamodule (its class and every option but ``RUN_ONLY_DATA_OPTIONS``) and the init method,
+    its options and the structure must agree; an option the checkpoint does not record is not compared.
+    """
+    problems = []
+    saved = _plain(hparams.get("datamodule")) or {}
+    asked = _plain(data) or {}
+    if saved.get("class_path") and asked.get("class_path") and saved["class_path"] != asked["class_path"]:
+        problems.append(f"data: checkpoint {saved['class_path']}, config {asked['class_path']}")
+    elif saved and asked:
+        then, now = saved.get("init_args") or {}, asked.get("init_args") or {}
+        for key in sorted(then.keys() & now.keys() - RUN_ONLY_DATA_OPTIONS):
+            if then[key] != now[key]:
+                problems.append(f"data.init_args.{key}: checkpoint {then[key]!r}, config {now[key]!r}")
+    model = _plain(model) or {}
+    for key in BINDING_MODEL_OPTIONS:
+        if key not in hparams:
+            continue
+        then, now = _plain(hparams.get(key)), model.get(key)
+        if key == "init_options":
+            then, now = then or {}, now or {}
+        if then != now:
+            problems.append(f"model.{key}: checkpoint {then!r}, config {now!r}")
+    return problems
+
+
+def check_checkpoint_binds(ckpt_path: str | Path, model: Mapping[str, Any], data: Mapping[str, Any] | None) -> None:
+    """Raise a CheckpointError naming both sides if the checkpoint was trained on another task, data or init."""
+    problems = binding_mismatch(read_checkpoint(ckpt_path).get("hyper_parameters") or {}, model, data)
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {ckpt_path} belongs to another run than the config describes: {'; '.join(problems)}. "
+            "Give the run's own config (-c <run directory>/config.yaml) or a checkpoint of this task and init."
+        )
+
+
 # ------------------------------------------------------------------------------- run directories
 _RUN_FILES = ("config.yaml", "hparams.yaml", "tokenizer.json")
 

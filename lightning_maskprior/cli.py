@@ -25,15 +25,17 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_maskprior import allocator, checks, config_files, precision, run_status
+from lightning_maskprior.atomic import AtomicCheckpointIO
 from lightning_maskprior.callbacks import PredictionWriter
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.resume import Diverged, RunGuard
-from lightning_maskprior.runs import LAST, newest_last_checkpoint
+from lightning_maskprior.runs import LAST, resolve_last
 from lightning_maskprior.tensorboard import HparamsSession
 
 
@@ -46,22 +48,36 @@ class MaskPriorCLI(LightningCLI):
         parser.link_arguments("data", "model.datamodule", apply_on="parse", compute_fn=_datamodule_spec)
 
     def _parse_ckpt_path(self) -> None:
-        # Lightning merges the checkpoint's model hyperparameters into the config. Not the ones that build the
-        # network (backbone, structure), its data (datamodule) or its optimizer: those stay the config's, and a
-        # checkpoint of another model is reported in the config's terms (checks.check_checkpoint_fits).
+        # Lightning would merge the checkpoint's hyperparameters into the config here, silently replacing options
+        # given on the command line. Instead the config is the truth and the checkpoint must belong to it: same
+        # datamodule and task, same init, init options and structure (checks.check_checkpoint_binds), checked
+        # before anything is built or written. Options that only steer training (lr_schedule, the optimizer...)
+        # are the config's: a resumed fit continues with them.
         subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if subcommand is None:
+            return
+        config = self.config[subcommand]
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path == "last":
+            config.ckpt_path = ckpt_path = _resolve_last(config, subcommand)
+        if ckpt_path is None and subcommand in ("test", "predict"):
+            _bad_input(f"{subcommand} needs --ckpt_path, got none; expected the checkpoint of a trained run (e.g. "
+                       f"RUN/checkpoints/last.ckpt, or last: the newest under trainer.default_root_dir). Without one "
+                       f"it would {subcommand} an untrained model")
         if not ckpt_path or not Path(ckpt_path).is_file():
             return
-        hparams = checks.read_checkpoint(ckpt_path).get("hyper_parameters", {})
-        hparams = {k: v for k, v in hparams.items() if k not in _CONFIG_ONLY_HPARAMS}
-        if not hparams:
-            return
         try:
-            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
-        except SystemExit:
-            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
-            raise
+            checks.check_checkpoint_binds(ckpt_path, config.get("model"), _datamodule_spec(config.get("data")))
+        except checks.CheckpointError as err:
+            _bad_input(str(err))
+
+    def instantiate_classes(self) -> None:
+        # A bad value a datamodule, structure, init or module refuses while being built is bad input: one line and
+        # exit 2, not a traceback. (Errors once training runs are not caught here.)
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError) as err:
+            _bad_input(_underlying_message(err))
 
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
                      subparser_kwargs: dict[str, Any]) -> None:
@@ -71,6 +87,8 @@ class MaskPriorCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if self.subcommand == "fit":
             _continue_run_directory(self.config.fit)
+        elif self.subcommand is not None:
+            _without_purge_step(self.config[self.subcommand].trainer)
         if self.subcommand is not None:
             # bf16 on a CPU without native bf16 becomes fp32. Changed in the config, so the run's config.yaml
             # (and its hparams) record the precision the run used.
@@ -89,9 +107,15 @@ class MaskPriorCLI(LightningCLI):
         configured = [c for c in _as_list(config.get("callbacks")) if isinstance(c, ModelCheckpoint)]
         if config.get("enable_checkpointing", True) is not False:
             if not configured:
-                callbacks.append(ModelCheckpoint(save_last=True))
+                # After every training epoch (after its validation, when it has one), whatever the validation
+                # cadence: a kill loses at most the epoch in progress.
+                callbacks.append(ModelCheckpoint(save_last=True, save_on_train_epoch_end=True))
             for callback in configured:
                 callback.save_last = callback.save_last or True
+        # Checkpoints through a temporary file: a full disk or a kill mid-save never truncates a good last.ckpt.
+        plugins = _as_list(config.get("plugins"))
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            config["plugins"] = [*plugins, AtomicCheckpointIO()]
         return super()._instantiate_trainer(config, callbacks)
 
     def _tensorboard_callbacks(self, config: dict[str, Any]) -> list[Callback]:
@@ -111,7 +135,10 @@ class MaskPriorCLI(LightningCLI):
         return callbacks
 
     def before_fit(self) -> None:
-        checks.check_subcommand(self.config[self.subcommand], self.model)  # ckpt_path: readable, fits the model
+        try:  # ckpt_path: readable, fits the model
+            checks.check_subcommand(self.config[self.subcommand], self.model)
+        except (checks.CheckpointError, FileNotFoundError) as err:
+            _bad_input(str(err))
 
     before_validate = before_test = before_fit
 
@@ -173,7 +200,59 @@ def _default_logger(root: str | None, model: Any, seed: Any) -> TensorBoardLogge
     A study's run directory keeps ``lightning_logs``: the study already names it ``<task>/<init>/seed<k>``."""
     root = root or os.getcwd()
     name = "lightning_logs" if (Path(root) / STUDY_RUN_FILE).is_file() else run_name(model, seed)
-    return TensorBoardLogger(save_dir=root, name=name, version=SLURMEnvironment.job_id(), default_hp_metric=False)
+    version = SLURMEnvironment.job_id()
+    if version is not None:
+        # Two fits in one SLURM job (or a second fit after the first finished) must not share a directory; a
+        # resumed fit finds its own through --ckpt_path instead (_continue_run_directory).
+        taken, k = Path(root) / name, 1
+        while (taken / (version if isinstance(version, str) else f"version_{version}")).exists():
+            version, k = f"version_{SLURMEnvironment.job_id()}_{k}", k + 1
+    return TensorBoardLogger(save_dir=root, name=name, version=version, default_hp_metric=False)
+
+
+def _bad_input(message: str) -> None:
+    """Bad input: one line on stderr and exit 2, before anything is written."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _underlying_message(err: BaseException) -> str:
+    """The message of the error a class raised, without jsonargparse's report around it (its "Does not validate
+    against any of the Union subtypes" lists the class's own error as the first item under "Errors:")."""
+    text = str(err).strip()
+    lines = text.splitlines()
+    if "Errors:" in lines:
+        items = [line.strip()[2:] for line in lines[lines.index("Errors:") + 1 :] if line.strip().startswith("- ")]
+        if items:
+            return items[0]
+    return text
+
+
+def _resolve_last(config, subcommand: str) -> str:
+    """``--ckpt_path last``: the newest run's ``last.ckpt`` under ``trainer.default_root_dir`` (the newest intact
+    checkpoint beside it if that one is cut short), the same for fit, validate, test and predict."""
+    root = Path(config.trainer.get("default_root_dir") or ".")
+    found, note = resolve_last(root)
+    if found is None:
+        then = "train from scratch (omit --ckpt_path)" if subcommand == "fit" else "train one first"
+        _bad_input(f"--ckpt_path last: no {LAST} under {root}/*/*/checkpoints/; expected a run trained there ({then}) "
+                   "or a checkpoint file")
+    if note:
+        print(f"maskprior: {note}", flush=True)
+    if subcommand == "fit":
+        print(f"resuming from {found}", flush=True)
+    return str(found)
+
+
+def _without_purge_step(trainer_config) -> None:
+    """A resumed fit's config.yaml names its TensorBoard version with a ``purge_step`` (what the killed run logged
+    after its checkpoint is hidden). Testing or validating with that config must not purge what the resumed fit
+    logged after that step: the purge belongs to the fit alone."""
+    logger = trainer_config.get("logger")
+    init_args = getattr(logger, "init_args", None)
+    if init_args is not None and getattr(logger, "class_path", "").endswith("TensorBoardLogger"):
+        if init_args.get("purge_step") is not None:
+            init_args.purge_step = None
 
 
 def _continue_run_directory(config) -> None:
@@ -183,17 +262,9 @@ def _continue_run_directory(config) -> None:
     to that same ``<version>`` directory instead of a new one, with ``purge_step`` just after the checkpoint's
     step: points a killed run logged after its last checkpoint are hidden, so no step appears twice.
     """
-    ckpt = config.get("ckpt_path")
+    ckpt = config.get("ckpt_path")  # "last" is resolved already (MaskPriorCLI._parse_ckpt_path)
     if ckpt is None:
         return
-    root = Path(config.trainer.get("default_root_dir") or ".")
-    if ckpt == "last":
-        found = newest_last_checkpoint(root)
-        if found is None:
-            raise SystemExit(f"maskprior: --ckpt_path last: no {LAST} under {root}/*/*/checkpoints/; train from "
-                             "scratch (omit --ckpt_path) or give a checkpoint file")
-        config.ckpt_path = ckpt = str(found)
-        print(f"resuming from {ckpt}", flush=True)
     path = Path(ckpt)
     if path.parent.name != "checkpoints" or not path.is_file():
         return
@@ -228,9 +299,6 @@ def _run_dir_of(ckpt_path: str | None) -> Path | None:
     """The run directory of a checkpoint ``<run>/checkpoints/x.ckpt`` (where predictions go), or None."""
     path = Path(ckpt_path) if ckpt_path else None
     return path.parent.parent if path is not None and path.parent.name == "checkpoints" else None
-
-
-_CONFIG_ONLY_HPARAMS = ("_instantiator", "_class_path", "backbone", "optimizer", "structure", "datamodule")
 
 
 def _datamodule_spec(data) -> dict[str, Any] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,28 @@ def newest_last_checkpoint(root: str | Path) -> Path | None:
     """
     found = sorted(Path(root).glob(f"*/*/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
+
+
+def is_intact(path: str | Path) -> bool:
+    """Whether a checkpoint file is complete: torch.save writes a zip archive, whose directory is at its end."""
+    path = Path(path)
+    return path.is_file() and path.stat().st_size > 0 and zipfile.is_zipfile(path)
+
+
+def resolve_last(root: str | Path) -> tuple[Path | None, str | None]:
+    """What ``--ckpt_path last`` means under ``root``: the newest run's ``last.ckpt``, or, when that file is not
+    intact, the newest intact checkpoint beside it. Returns the path (None: no checkpoint at all) and a line
+    saying what was chosen instead, if anything was."""
+    last = newest_last_checkpoint(root)
+    if last is None:
+        return None, None
+    if is_intact(last):
+        return last, None
+    others = sorted((p for p in last.parent.glob("*.ckpt") if p != last and is_intact(p)),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    if not others:
+        return last, None  # reading it names the problem
+    return others[0], f"{last} is not a complete checkpoint (truncated?); using the newest intact one, {others[0]}"
 
 
 def find_checkpoint(run_dir: str | Path) -> Path:

@@ -210,7 +210,7 @@ def test_tiny_fit_and_test(tmp_path, capsys, config, init, readout):
         assert f"val/{name} " in out
     run_dir = next(tmp_path.glob("*/version_*"))
     assert len(read_scalars(run_dir)["val/seq_acc"]) == 2
-    main(["test", *args, "--data.init_args.test_size", "300"])
+    main(["test", *args, "--data.init_args.test_size", "300", "--ckpt_path", "last"])
     out = capsys.readouterr().out
     for name in ("seq_acc", "digit_acc", "loss"):
         assert f"test/{name} " in out

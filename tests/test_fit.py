@@ -1,5 +1,6 @@
 """End to end through the CLI on tiny problems: metrics, run directories and bad input."""
 
+import re
 import subprocess
 import sys
 
@@ -62,7 +63,8 @@ def test_mask_prior_is_trained_and_fixed_is_not(tiny_args, tmp_path):
 
 
 def test_test_subcommand_reports_test_metrics(tiny_args, capsys):
-    run_cli("test", "-c", str(CONFIGS / "boolean/majority3.yaml"), *tiny_args)
+    run_cli("fit", "-c", str(CONFIGS / "boolean/majority3.yaml"), *tiny_args)
+    run_cli("test", "-c", str(CONFIGS / "boolean/majority3.yaml"), *tiny_args, "--ckpt_path", "last")
     out = capsys.readouterr().out
     for name in METRICS:
         assert f"test/{name} " in out
@@ -79,17 +81,21 @@ def test_test_subcommand_reports_test_metrics(tiny_args, capsys):
         (["--model.init", "mask", "--model.init_options", "{open: 3}"], r"unknown options \['open'\]"),
     ],
 )
-def test_bad_input_fails_with_a_clear_message(tiny_args, override, message):
-    with pytest.raises((ValueError, FileNotFoundError), match=message):
+def test_bad_input_fails_with_a_clear_message(tiny_args, override, message, capsys):
+    with pytest.raises(SystemExit) as info:
         run_cli("fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), *tiny_args, *override)
+    assert info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
-def test_structure_size_mismatch_is_reported(tiny_args, tmp_path):
+def test_structure_size_mismatch_is_reported(tiny_args, tmp_path, capsys):
     path = tmp_path / "s.pt"
     torch.save(torch.eye(7, dtype=torch.bool), path)
-    with pytest.raises(ValueError, match="structure is 7x7 but the sequence has 6 tokens"):
+    with pytest.raises(SystemExit) as info:
         run_cli("fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), *tiny_args,
                 "--model.init", "mask", "--model.structure", f"{{file: {path}}}")
+    assert info.value.code == 2
+    assert "structure is 7x7 but the sequence has 6 tokens" in capsys.readouterr().err
 
 
 def test_ddp_two_processes_match_one_process(tmp_path):

@@ -4,6 +4,7 @@ a result directory's data files, with no run directory."""
 import csv
 import gzip
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -309,3 +310,25 @@ def test_a_labelled_variant_gets_its_name_and_every_column_says_what_it_ran(tmp_
         del entry["variant"]
     (path / "study.json").write_text(json.dumps(info))
     assert "- Columns:" not in render(path, figures=False).read_text()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.joinpath("results.csv").write_text(p.joinpath("results.csv").read_text()[:-40]),
+     r"results.csv, line \d+ has \d+ of the header's \d+ fields: cut short or corrupt"),
+    (lambda p: p.joinpath("results.csv").write_text("\n".join(p.joinpath("results.csv").read_text().splitlines()[:3])
+                                                    + "\n"),
+     r"results.csv has no row for \d+ of the study's 6 runs"),
+    (lambda p: p.joinpath("study.json").write_text('{"title": "x", "seeds": [0'),
+     r"study.json is not valid JSON .*cut short or corrupt"),
+    (lambda p: p.joinpath(CURVES_FILE).write_bytes(p.joinpath(CURVES_FILE).read_bytes()[:30]),
+     r"curves.csv.gz: cannot read the curves"),
+])
+def test_report_refuses_a_cut_or_corrupt_data_file_naming_it(tmp_path, capsys, damage, message):
+    path = write_result_dir(tmp_path / "result")
+    damage(path)
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(path), "--no_figures"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert "Traceback" not in err

@@ -21,7 +21,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from lightning_maskprior.study.results import CURVES_FILE, MAPS_FILE, RESULTS_FILE, STUDY_FILE, collect, load
+from lightning_maskprior.study.results import (
+    CURVES_FILE,
+    MAPS_FILE,
+    RESULTS_FILE,
+    STUDY_FILE,
+    ResultFileError,
+    collect,
+    load,
+)
 from lightning_maskprior.study.spec import Study
 from lightning_maskprior.study.tables import markdown, write_csvs
 
@@ -147,6 +155,14 @@ def main(argv: list[str] | None = None) -> None:
                          "study writes both into its out_dir)")
     if args.readme is not None and not args.readme.is_file():
         parser.error(f"--readme {args.readme}: no such file")
+    try:
+        _report(args)
+    except ResultFileError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _report(args: argparse.Namespace) -> None:
     stale = []
     for path in args.result_dirs:
         if args.check:

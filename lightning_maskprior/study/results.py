@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_maskprior import atomic
 from lightning_maskprior.config_files import option_values
 from lightning_maskprior.study.spec import Metric, Run, Study
 
@@ -119,10 +120,10 @@ def collect(study: Study, curves: bool = True) -> None:
     ``curves`` also curves.csv.gz and attention_maps.npz (these read every run's TensorBoard events: slower)."""
     out = study.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    (out / STUDY_FILE).write_text(json.dumps(study_info(study), indent=1) + "\n")
+    atomic.write_text(out / STUDY_FILE, json.dumps(study_info(study), indent=1) + "\n")
     results = [(run, _current(run)) for run in study.runs()]
     tags = sorted({m.tag for t in study.tasks for m in t.metrics} | {SCORE, HALF_LIFE})
-    with open(out / RESULTS_FILE, "w", newline="") as f:
+    with atomic.atomic_path(out / RESULTS_FILE) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["task", "init", "seed", "status", "seconds", "precision", *tags, "error"])
         for run, result in results:
@@ -196,7 +197,8 @@ def _write_curves(path: Path, runs: list[tuple[Run, dict]]) -> None:
             for step, value in downsample(scalars[tag]):
                 epoch = "" if per_epoch is None else f"{(step + shift) / per_epoch:.4g}"
                 writer.writerow([run.task.name, run.init.label, run.seed, tag, step, epoch, f"{value:.6g}"])
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+    with atomic.atomic_path(path) as tmp, open(tmp, "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
         f.write(text.getvalue().encode())
 
 
@@ -211,7 +213,8 @@ def _write_maps(path: Path, runs: list[Run]) -> None:
             with np.load(run.dir / RUN_MAPS) as data:
                 arrays.update({f"{run.task.name}/{run.init.label}/{key}": data[key] for key in data.files})
     if arrays:
-        np.savez_compressed(path, **arrays)
+        with atomic.atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.savez_compressed(f, **arrays)
     else:
         path.unlink(missing_ok=True)
 
@@ -225,38 +228,113 @@ def _float(text: str) -> float | None:
     return None if math.isnan(value) else value
 
 
+class ResultFileError(ValueError):
+    """A result directory's data file that is cut short, corrupt or unreadable; the message names the file."""
+
+
+STATUSES = ("ok", "diverged", "failed", "interrupted", "pending")
+PRECISION = re.compile(r"^(64|32|16|bf16)(-(true|mixed))?$|^transformer-engine(-float16)?$")
+
+
+def _read(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ResultFileError(f"{path}: cannot read the {what}: {err.strerror or err}") from None
+
+
+def _study_info(path: Path) -> dict[str, Any]:
+    try:
+        info = json.loads(_read(path, "study description"))
+        for key in ("title", "seeds", "tasks", "inits"):
+            info[key]  # noqa: B018 - present, or the KeyError below names it
+    except json.JSONDecodeError as err:
+        raise ResultFileError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): cut short or corrupt; "
+                              "`maskprior study -c FILE --table_only true` rewrites it from the runs") from None
+    except (KeyError, TypeError) as err:
+        raise ResultFileError(f"{path} lacks {err}: expected what a study writes (title, seeds, tasks, "
+                              "inits)") from None
+    return info
+
+
+def _results_rows(path: Path, info: dict[str, Any]) -> list[RunRow]:
+    """results.csv's rows, refused (naming the file and the row) when a row is cut short or a value is not what a
+    study writes, or when a run of study.json has no row: a file cut at a row boundary is incomplete too."""
+    fixed = {"task", "init", "seed", "status", "seconds", "precision", "error"}
+    reader = csv.DictReader(io.StringIO(_read(path, "results table"), newline=""))
+    runs = []
+    for number, row in enumerate(reader, start=2):
+        where = f"{path}, line {number}"
+        if None in row or None in row.values():
+            raise ResultFileError(f"{where} has {len(row) - (None in row) - sum(v is None for v in row.values())} "
+                                  f"of the header's {len(reader.fieldnames or [])} fields: cut short or corrupt")
+        try:
+            seed = int(row["seed"])
+        except (KeyError, ValueError):
+            raise ResultFileError(f"{where}: seed {row.get('seed')!r} is not a whole number") from None
+        if row.get("status") not in STATUSES:
+            raise ResultFileError(f"{where}: status {row.get('status')!r}; expected one of {', '.join(STATUSES)}")
+        if row.get("precision") and not PRECISION.match(row["precision"]):
+            raise ResultFileError(f"{where}: precision {row['precision']!r} is not a Lightning precision: cut short?")
+        values = {k: v for k, v in ((k, _float(v)) for k, v in row.items() if k not in fixed) if v is not None}
+        runs.append(RunRow(row["task"], row["init"], seed, row["status"], _float(row.get("seconds")),
+                           row.get("precision") or None, values, row.get("error") or ""))
+    expected = {(t["name"], i.get("label", i["name"]), int(s)) for t in info["tasks"] for i in info["inits"]
+                for s in info["seeds"]}
+    missing = expected - {(r.task, r.init, r.seed) for r in runs}
+    if missing:
+        first = "/".join(map(str, sorted(missing)[0]))
+        raise ResultFileError(f"{path} has no row for {len(missing)} of the study's {len(expected)} runs (e.g. "
+                              f"{first}): cut short; `maskprior study -c FILE --table_only true` rewrites it")
+    return runs
+
+
+def _curves(path: Path) -> dict[tuple[str, str, int, str], list]:
+    curves: dict[tuple[str, str, int, str], list] = {}
+    try:
+        with gzip.open(path, "rt", newline="") as f:
+            for number, row in enumerate(csv.DictReader(f), start=2):
+                try:
+                    key = (row["task"], row["init"], int(row["seed"]), row["tag"])
+                    point = (int(row["step"]), _float(row["epoch"]), float(row["value"]))
+                except (KeyError, TypeError, ValueError):
+                    raise ResultFileError(f"{path}, line {number}: not a curve point (task, init, seed, tag, step, "
+                                          "epoch, value): cut short or corrupt") from None
+                curves.setdefault(key, []).append(point)
+    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as err:
+        raise ResultFileError(f"{path}: cannot read the curves ({type(err).__name__}: {err}): cut short or "
+                              "corrupt; rerun the study (or `--table_only true`) to rewrite it") from None
+    return curves
+
+
 def load(path: str | Path, maps: bool = True) -> ResultSet:
-    """Read a result directory (study.json and results.csv; curves.csv.gz and attention_maps.npz if there)."""
+    """Read a result directory (study.json and results.csv; curves.csv.gz and attention_maps.npz if there).
+
+    A data file that is cut short, corrupt or unreadable raises ResultFileError naming it."""
     path = Path(path)
     for name in (STUDY_FILE, RESULTS_FILE):
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path} is not a study's result directory: it has no {name} (a study writes "
                                     "it; `maskprior study -c FILE --table_only true` rewrites it from the runs)")
-    info = json.loads((path / STUDY_FILE).read_text())
+    info = _study_info(path / STUDY_FILE)
     tasks = [TaskInfo(t["name"], t.get("paper", t["name"]), [Metric(**m) for m in t["metrics"]],
                       list(t.get("curves", [])), t.get("train_fraction")) for t in info["tasks"]]
     inits = [InitInfo(i["name"], i.get("label", i["name"]), i.get("variant")) for i in info["inits"]]
-    runs = []
-    with open(path / RESULTS_FILE, newline="") as f:
-        fixed = {"task", "init", "seed", "status", "seconds", "precision", "error"}
-        for row in csv.DictReader(f):
-            values = {k: v for k, v in ((k, _float(v)) for k, v in row.items() if k not in fixed) if v is not None}
-            runs.append(RunRow(row["task"], row["init"], int(row["seed"]), row["status"], _float(row.get("seconds")),
-                               row.get("precision") or None, values, row.get("error") or ""))
+    runs = _results_rows(path / RESULTS_FILE, info)
     result = ResultSet(path, info["title"], list(info["seeds"]), [str(t) for t in info.get("paper_tables", [])],
                        tasks, inits, runs)
     if (path / CURVES_FILE).is_file():
-        result.curves = {}
-        with gzip.open(path / CURVES_FILE, "rt", newline="") as f:
-            for row in csv.DictReader(f):
-                key = (row["task"], row["init"], int(row["seed"]), row["tag"])
-                result.curves.setdefault(key, []).append((int(row["step"]), _float(row["epoch"]), float(row["value"])))
+        result.curves = _curves(path / CURVES_FILE)
     if maps and (path / MAPS_FILE).is_file():
         import numpy as np
 
         result.maps = {}
-        with np.load(path / MAPS_FILE) as data:
-            for key in data.files:
-                task, init, name = key.split("/", 2)
-                result.maps.setdefault((task, init), {})[name] = data[key]
+        try:
+            with np.load(path / MAPS_FILE) as data:
+                for key in data.files:
+                    task, init, name = key.split("/", 2)
+                    result.maps.setdefault((task, init), {})[name] = data[key]
+        except (OSError, ValueError, EOFError) as err:
+            raise ResultFileError(f"{path / MAPS_FILE}: cannot read the attention maps ({err}): cut short or "
+                                  "corrupt") from None
     return result
