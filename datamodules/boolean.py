@@ -90,6 +90,9 @@ def _import(path: str) -> Callable:
 def _evaluate(spec: FunctionSpec, points: Tensor, n: int, what: str) -> Tensor:
     """Values of ``spec`` on ``points`` (2^n, n), float64."""
     if isinstance(spec, dict):
+        if not spec:
+            raise ValueError(f"the {what} {{}} is an empty expansion (0 everywhere); expected monomials with their "
+                             "coefficients, e.g. {'x0*x1': 1.0}")
         return walsh_hadamard(coefficients_from_expansion(spec, n))
     values = torch.as_tensor(_import(spec)(points.clone()))
     if values.shape != (len(points),):

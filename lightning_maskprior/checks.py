@@ -320,6 +320,41 @@ def check_checkpoint_binds(ckpt_path: str | Path, model: Mapping[str, Any], data
         )
 
 
+# ------------------------------------------------------------------------------- a fit's options
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_fit_options(trainer: Mapping[str, Any], model: Mapping[str, Any]) -> None:
+    """Refuse, naming the option, a fit that would train nothing or that Lightning would fail on mid-run.
+
+    ``trainer`` and ``model`` are the fit config's entries. Lightning accepts ``max_epochs: 0`` or
+    ``limit_train_batches: 0`` (and leaves an empty run) and divides by ``accumulate_grad_batches`` and
+    ``check_val_every_n_epoch`` only once training runs.
+    """
+    rules = [
+        ("max_epochs", lambda v: v is None or v == -1 or (_number(v) and v >= 1),
+         "a whole number of epochs >= 1 (or -1: no limit)"),
+        ("max_steps", lambda v: v is None or v == -1 or (_number(v) and v >= 1), "a number of steps >= 1 (or -1)"),
+        ("limit_train_batches", lambda v: v is None or (_number(v) and v > 0), "a fraction in (0, 1] or a count >= 1"),
+        ("accumulate_grad_batches", lambda v: v is None or (isinstance(v, int) and v >= 1), "a whole number >= 1"),
+        ("check_val_every_n_epoch", lambda v: v is None or (isinstance(v, int) and v >= 1),
+         "a whole number of epochs >= 1 (or null: by val_check_interval only)"),
+        ("gradient_clip_val", lambda v: v is None or (_number(v) and v >= 0), "a number >= 0 (0 or null: no clipping)"),
+    ]
+    for key, fits, expected in rules:
+        value = trainer.get(key)
+        if not fits(value):
+            raise ValueError(f"trainer.{key} must be {expected}, got {value!r}: the fit would train nothing or fail")
+    optimizer = model.get("optimizer")
+    init_args = getattr(optimizer, "init_args", None) or (optimizer.get("init_args") if isinstance(optimizer, Mapping)
+                                                          else None) or {}
+    lr = init_args.get("lr") if hasattr(init_args, "get") else None
+    if lr is not None and not (_number(lr) and lr > 0):
+        raise ValueError(f"model.optimizer.init_args.lr must be a number > 0, got {lr!r}: the fit would train "
+                         "nothing")
+
+
 # ------------------------------------------------------------------------------- run directories
 _RUN_FILES = ("config.yaml", "hparams.yaml", "tokenizer.json")
 

@@ -86,6 +86,10 @@ class MaskPriorCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand == "fit":
+            try:
+                checks.check_fit_options(self.config.fit.trainer, self.config.fit.model)
+            except ValueError as err:
+                _bad_input(str(err))
             _continue_run_directory(self.config.fit)
         elif self.subcommand is not None:
             _without_purge_step(self.config[self.subcommand].trainer)
@@ -220,6 +224,8 @@ def _underlying_message(err: BaseException) -> str:
     """The message of the error a class raised, without jsonargparse's report around it (its "Does not validate
     against any of the Union subtypes" lists the class's own error as the first item under "Errors:")."""
     text = str(err).strip()
+    if text.startswith("Call to compute_fn of link") and ") failed: " in text:  # a linked value's computation
+        text = text.rsplit(") failed: ", 1)[1].strip()
     lines = text.splitlines()
     if "Errors:" in lines:
         items = [line.strip()[2:] for line in lines[lines.index("Errors:") + 1 :] if line.strip().startswith("- ")]

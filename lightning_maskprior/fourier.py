@@ -7,6 +7,7 @@ So evaluation and the Fourier transform are both the Walsh-Hadamard transform.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -50,8 +51,9 @@ def walsh_hadamard(values: Tensor) -> Tensor:
 _MONOMIAL = re.compile(r"^\s*x(\d+)\s*$")
 
 
-def parse_monomial(text: str) -> int:
-    """``"x0*x1"`` -> subset mask 0b11; ``"1"`` or ``""`` -> 0 (the constant)."""
+def parse_monomial(text: str, n: int | None = None) -> int:
+    """``"x0*x1"`` -> subset mask 0b11; ``"1"`` or ``""`` -> 0 (the constant). With ``n``, every variable
+    must be one of x0 .. x{n-1} (checked before the mask is built, so x99999999999 costs nothing)."""
     text = text.strip()
     if text in ("", "1"):
         return 0
@@ -60,7 +62,10 @@ def parse_monomial(text: str) -> int:
         match = _MONOMIAL.match(factor)
         if not match:
             raise ValueError(f"cannot read monomial {text!r}: expected factors like x0*x3, or '1'")
-        bit = 1 << int(match.group(1))
+        index = int(match.group(1))
+        if n is not None and index >= n:
+            raise ValueError(f"monomial {text!r} uses x{index}; expected variables x0 .. x{n - 1} (n={n})")
+        bit = 1 << index
         if mask & bit:
             raise ValueError(f"monomial {text!r} repeats a variable (x_i^2 = 1 on the cube)")
         mask |= bit
@@ -72,10 +77,11 @@ def coefficients_from_expansion(expansion: dict[str, float], n: int) -> Tensor:
     check_cube_bits(n)
     coefficients = torch.zeros(2**n, dtype=torch.float64)
     for monomial, value in expansion.items():
-        mask = parse_monomial(str(monomial))
-        if mask >= 2**n:
-            raise ValueError(f"monomial {monomial!r} uses a variable beyond x{n - 1} (n={n})")
-        coefficients[mask] += float(value)
+        mask = parse_monomial(str(monomial), n)
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+        if number is None or not math.isfinite(number):
+            raise ValueError(f"the coefficient of {monomial!r} is {value!r}; expected a finite number")
+        coefficients[mask] += float(number)
     return coefficients
 
 

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import typing
 from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor, nn
 
 from lightning_maskprior.attention import PriorAttention, attention_layers, attention_probabilities
@@ -72,9 +74,10 @@ def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **op
     if unknown:
         valid = sorted(k for k in accepted if k not in ("backbone", "structure"))
         raise ValueError(f"init method {name!r} got unknown options {unknown}; it accepts {valid}")
+    hints = typing.get_type_hints(fn)
     for key, value in options.items():
         if key in accepted:
-            _check_option_type(name, key, value, accepted[key])
+            _check_option_type(name, key, value, accepted[key], hints.get(key))
     layers = attention_layers(backbone)
     if not layers:
         raise ValueError(f"{type(backbone).__name__} has no PriorAttention layers to initialise")
@@ -83,8 +86,25 @@ def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **op
     fn(backbone, structure, **options)
 
 
-def _check_option_type(init: str, key: str, value, param: inspect.Parameter) -> None:
-    """A number where the init method takes a number, an integer where it takes one (YAML gives strings as is)."""
+# The ranges of init options, declared once in the init functions' signatures with jsonargparse's constrained
+# types (what ``--help`` shows too), and what an error says each one expects.
+RANGES: dict[type, str] = {PositiveFloat: "a number > 0", NonNegativeFloat: "a number >= 0",
+                           PositiveInt: "a whole number > 0", NonNegativeInt: "a whole number >= 0"}
+
+
+def _check_option_type(init: str, key: str, value, param: inspect.Parameter, hint: object = None) -> None:
+    """A number where the init method takes a number, an integer where it takes one (YAML gives strings as is),
+    in the range its constrained type declares (``PositiveFloat``: > 0, ...)."""
+    if hint in RANGES:
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        try:
+            if not number:
+                raise ValueError
+            hint(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"init method {init!r}: init_options.{key} must be {RANGES[hint]}, got {value!r}") from None
+        return
     annotation = param.annotation.__name__ if isinstance(param.annotation, type) else str(param.annotation)
     annotation = annotation.replace(" ", "")
     kind = next((k for k in ("bool", "int", "float") if annotation in (k, f"{k}|None", f"None|{k}")), None)
@@ -124,7 +144,7 @@ def _uses_structure(fn: InitMethod) -> InitMethod:
 
 def _apply_extras(backbone: nn.Module, init: str, pos_scale: float, value_alpha: float, value_beta: float,
                   qk_gain: float) -> None:
-    """The parts of the impulse init that are not its structure, for ablations (issue 18): positions x
+    """The parts of the impulse init that are not its structure, for ablations: positions x
     ``pos_scale``, mimetic values ``Wproj Wv ~ value_alpha Z - value_beta I`` and the random Wq, Wk x ``qk_gain``.
     The defaults (1, 0, 0, 1) leave the backbone untouched and draw no random numbers."""
     if pos_scale != 1.0:
@@ -146,8 +166,8 @@ def _install_prior(backbone: nn.Module, structure: Structure, open_value: float,
 
 
 @register_init("default")
-def default_init(backbone: nn.Module, structure: Structure | None, pos_scale: float = 1.0,
-                 value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: float = 1.0) -> None:
+def default_init(backbone: nn.Module, structure: Structure | None, pos_scale: PositiveFloat = 1.0,
+                 value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: PositiveFloat = 1.0) -> None:
     """The architecture's own random init; no prior (plain attention).
 
     ``pos_scale``, ``value_alpha``, ``value_beta`` and ``qk_gain`` add the impulse init's non-structural parts
@@ -161,8 +181,8 @@ def default_init(backbone: nn.Module, structure: Structure | None, pos_scale: fl
 @register_init("mask")
 @_uses_structure
 def mask_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
-              closed_value: float = -10.0, scale: float = 1.0, pos_scale: float = 1.0,
-              value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: float = 1.0) -> None:
+              closed_value: float = -10.0, scale: PositiveFloat = 1.0, pos_scale: PositiveFloat = 1.0,
+              value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: PositiveFloat = 1.0) -> None:
     """Learnable prior M: ``open_value`` on open pairs, ``closed_value`` on closed ones.
 
     ``pos_scale``, ``value_alpha``, ``value_beta``, ``qk_gain``: as for ``default`` (ablations; no change by default).
@@ -175,8 +195,8 @@ def mask_init(backbone: nn.Module, structure: Structure, open_value: float = 10.
 @register_init("fixed")
 @_uses_structure
 def fixed_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
-               closed_value: float = -10.0, scale: float = 1.0, pos_scale: float = 1.0,
-               value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: float = 1.0) -> None:
+               closed_value: float = -10.0, scale: PositiveFloat = 1.0, pos_scale: PositiveFloat = 1.0,
+               value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: PositiveFloat = 1.0) -> None:
     """The mask prior, frozen (not trained). Extras as for ``mask``."""
     check_open_closed(open_value, closed_value)
     _apply_extras(backbone, "fixed", pos_scale, value_alpha, value_beta, qk_gain)
@@ -184,7 +204,7 @@ def fixed_init(backbone: nn.Module, structure: Structure, open_value: float = 10
 
 
 @register_init("zero")
-def zero_init(backbone: nn.Module, structure: Structure | None, seq_len: int | None = None) -> None:
+def zero_init(backbone: nn.Module, structure: Structure | None, seq_len: PositiveInt | None = None) -> None:
     """Learnable prior M = 0 everywhere (ablation): the mask's parameter, without the structure.
 
     The shape (heads, N, N) follows the structure if there is one (so it matches ``mask``),
@@ -280,7 +300,7 @@ def _fit_svd_layer(backbone: nn.Module, positions: Tensor, target: Tensor, head_
 @register_init("qk_svd")
 @_uses_structure
 def qk_svd_init(backbone: nn.Module, structure: Structure, open_value: float = 10000.0,
-                closed_value: float = 0.0, pos_scale: float = 18.0, qk_scale: float = 7.0) -> None:
+                closed_value: float = 0.0, pos_scale: PositiveFloat = 18.0, qk_scale: PositiveFloat = 7.0) -> None:
     """Structured QK by SVD (Zheng et al. 2025): the structure's logit pattern put into Wq, Wk.
 
     The target ``open_value``/``closed_value`` pattern is mapped through the pseudo-inverse of the
@@ -357,9 +377,9 @@ def _attention_inputs(backbone: nn.Module, inputs, index: int) -> Tensor:
 
 @register_init("qk_opt")
 @_uses_structure
-def qk_opt_init(backbone: nn.Module, structure: Structure, steps: int = 2000, lr: float = 1e-4,
-                renorm_every: int = 100, fit_on: Literal["positions", "inputs"] = "positions",
-                probe_size: int = 256, pos_scale: float = 1.0, qk_scale: float = 1.0) -> None:
+def qk_opt_init(backbone: nn.Module, structure: Structure, steps: PositiveInt = 2000, lr: PositiveFloat = 1e-4,
+                renorm_every: NonNegativeInt = 100, fit_on: Literal["positions", "inputs"] = "positions",
+                probe_size: PositiveInt = 256, pos_scale: PositiveFloat = 1.0, qk_scale: PositiveFloat = 1.0) -> None:
     """Structured QK by optimisation (Zheng et al. 2024): fit Wq, Wk so attention matches the structure.
 
     Each layer's Wq, Wk are fitted with Adam (``steps``, ``lr``; every ``renorm_every`` steps the
@@ -460,7 +480,8 @@ def mimetic_init(backbone: nn.Module, structure: Structure | None, qk_alpha: flo
 
 @register_init("impulse")
 def impulse_init(backbone: nn.Module, structure: Structure | None, open_value: float = 1000.0,
-                 closed_noise: float = 3.0, pos_scale: float = 18.0, qk_scale: float = 7.0,
+                 closed_noise: NonNegativeFloat = 3.0, pos_scale: PositiveFloat = 18.0,
+                 qk_scale: PositiveFloat = 7.0,
                  value_alpha: float = 0.4, value_beta: float = 0.4) -> None:
     """Impulse init (vision; Zheng et al. 2025): each head's attention over the patch grid is a 3x3 impulse.
 
@@ -495,10 +516,11 @@ def impulse_init(backbone: nn.Module, structure: Structure | None, open_value: f
 @register_init("mask_impulse")
 @_uses_structure
 def mask_impulse_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
-                      closed_value: float = -10.0, scale: float = 1.0, impulse_open_value: float = 1000.0,
-                      closed_noise: float = 3.0, pos_scale: float = 18.0, qk_scale: float = 7.0,
+                      closed_value: float = -10.0, scale: PositiveFloat = 1.0, impulse_open_value: float = 1000.0,
+                      closed_noise: NonNegativeFloat = 3.0, pos_scale: PositiveFloat = 18.0,
+                      qk_scale: PositiveFloat = 7.0,
                       value_alpha: float = 0.4, value_beta: float = 0.4) -> None:
-    """Both places at once (ablation, issue 18): the impulse init puts ``structure`` into Wq, Wk (with its
+    """Both places at once (an ablation): the impulse init puts ``structure`` into Wq, Wk (with its
     positions x``pos_scale`` and mimetic values), and the learnable prior M gets the same structure as ``mask``.
     ``impulse_open_value`` is the impulse's ``open_value``; the other options are ``mask``'s and ``impulse``'s."""
     impulse_init(backbone, structure, open_value=impulse_open_value, closed_noise=closed_noise,
