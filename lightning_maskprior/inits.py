@@ -65,8 +65,9 @@ def get_init(name: str) -> InitMethod:
     return INIT_METHODS[name]
 
 
-def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **options) -> None:
-    """Apply init method ``name`` to ``backbone`` with ``structure`` and method-specific options."""
+def check_init_options(name: str, options: dict) -> InitMethod:
+    """Init method ``name``, once ``options`` are known to be its own, of its types and in its ranges (declared in
+    its signature); a ValueError naming the option and what it expects otherwise."""
     fn = get_init(name)
     accepted = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
@@ -78,6 +79,12 @@ def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **op
     for key, value in options.items():
         if key in accepted:
             _check_option_type(name, key, value, accepted[key], hints.get(key))
+    return fn
+
+
+def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **options) -> None:
+    """Apply init method ``name`` to ``backbone`` with ``structure`` and method-specific options."""
+    fn = check_init_options(name, options)
     layers = attention_layers(backbone)
     if not layers:
         raise ValueError(f"{type(backbone).__name__} has no PriorAttention layers to initialise")
@@ -87,7 +94,7 @@ def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **op
 
 
 # The ranges of init options, declared once in the init functions' signatures with jsonargparse's constrained
-# types (what ``--help`` shows too), and what an error says each one expects.
+# types, and what an error says each one expects.
 RANGES: dict[type, str] = {PositiveFloat: "a number > 0", NonNegativeFloat: "a number >= 0",
                            PositiveInt: "a whole number > 0", NonNegativeInt: "a whole number >= 0"}
 

@@ -19,7 +19,7 @@ from torchmetrics import MeanMetric
 
 from lightning_maskprior import checks
 from lightning_maskprior.attention import PriorAttention, attention_layers
-from lightning_maskprior.inits import apply_init, get_init
+from lightning_maskprior.inits import apply_init, check_init_options
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.priors import Structure, StructureSpec
 from lightning_maskprior.task import TaskSpec
@@ -72,6 +72,25 @@ def _keep_plain_hparams(hparams: dict[str, Any]) -> None:
             hparams[key] = spec
 
 
+def check_module_options(init: str, init_options: dict | None, lr_schedule: str, warmup_steps: int,
+                         prior_weight_decay: float | None) -> None:
+    """The module's own options, checked as ``MaskPriorModule`` does before it builds anything (also what a
+    study's ``--dry_run`` checks for every run); a ValueError naming the option, its value and what it expects."""
+    if lr_schedule not in ("constant", "cosine"):
+        raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be a whole number of steps >= 0, got {warmup_steps!r}")
+    if prior_weight_decay is not None and not (
+        isinstance(prior_weight_decay, int | float) and not isinstance(prior_weight_decay, bool)
+        and 0 <= prior_weight_decay < math.inf
+    ):
+        raise ValueError(f"prior_weight_decay must be a finite number >= 0 (0: no decay of M) or null (the "
+                         f"optimizer's own), got {prior_weight_decay!r}")
+    if init_options is not None and not isinstance(init_options, dict):
+        raise ValueError(f"init_options must be a mapping of option: value, got {init_options!r}")
+    check_init_options(init, init_options or {})  # an unknown init, option, type or range
+
+
 class MaskPriorModule(L.LightningModule):
     """A transformer with a structural prior, trained on any task a datamodule describes.
 
@@ -118,19 +137,7 @@ class MaskPriorModule(L.LightningModule):
                 raise ValueError("MaskPriorModule needs the datamodule's TaskSpec (task=dm.task_spec()), or the "
                                  "datamodule as datamodule={'class_path': ..., 'init_args': {...}}")
             task = build_datamodule(datamodule).task_spec()
-        if lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be a whole number of steps >= 0, got {warmup_steps!r}")
-        if prior_weight_decay is not None and not (
-            isinstance(prior_weight_decay, int | float) and not isinstance(prior_weight_decay, bool)
-            and 0 <= prior_weight_decay < math.inf
-        ):
-            raise ValueError(f"prior_weight_decay must be a finite number >= 0 (0: no decay of M) or null (the "
-                             f"optimizer's own), got {prior_weight_decay!r}")
-        if init_options is not None and not isinstance(init_options, dict):
-            raise ValueError(f"init_options must be a mapping of option: value, got {init_options!r}")
-        get_init(init)  # fail early on an unknown name
+        check_module_options(init, init_options, lr_schedule, warmup_steps, prior_weight_decay)
         self.save_hyperparameters(ignore=["task"])
         # A checkpoint's hyperparameters hold backbone and optimizer as {class_path, init_args}: accept that too
         # (load_from_checkpoint of a module built in Python, outside the CLI).

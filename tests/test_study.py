@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -586,3 +587,77 @@ def test_killed_study_leaves_no_live_run(tmp_path):
             study.wait()
     result = json.loads((out / "2parity/mask/seed0/result.json").read_text())  # the cell outlived its fit
     assert result["status"] == "interrupted"
+
+
+# ------------------------------------------------------------------------------ reliability of a study
+def test_an_out_dir_of_another_study_is_refused_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    first = load_study(tiny_study(tmp_path / "out", title="first study", seeds=[0]))
+    fake_results(first, {(t.name, i.label, 0): {"val/mse": 0.5, "val/acc": 0.75}
+                         for t in first.tasks for i in first.inits})
+    write_outputs(first, plots=False)
+    finished = sorted(p for p in (tmp_path / "out").rglob("result.json"))
+    other_args = [*TINY, "--model.lr_schedule", "constant"]
+    second = load_study(tiny_study(tmp_path / "out", title="second study", seeds=[0], args=other_args))
+    with pytest.raises(StudyError, match=r"out_dir \S+ holds another study: 'first study' .*--replace_out_dir true"):
+        run_study(second, log=lambda *a, **k: None)
+    assert sorted(p for p in (tmp_path / "out").rglob("result.json")) == finished  # nothing deleted
+    # The same study again (an override of its grid included) is its own: it skips what it finished.
+    again = load_study(tiny_study(tmp_path / "out", title="first study", seeds=[0], inits=["default"]))
+    assert run_study(again, log=lambda *a, **k: None) == 0
+
+
+def test_a_metric_tag_no_run_logged_is_a_warning_in_the_table(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    metrics = [*METRICS, {"tag": "val/acc_typo", "label": "typo"}]
+    study = load_study(tiny_study(tmp_path / "out", seeds=[0], metrics=metrics))
+    fake_results(study, {(t.name, i.label, 0): {"val/mse": 0.5, "val/acc": 0.75}
+                         for t in study.tasks for i in study.inits})
+    write_outputs(study, plots=False)
+    md = (study.out_dir / "table.md").read_text()
+    assert "**Warning**: no finished run logged 2parity: val/acc_typo, majority3: val/acc_typo" in md
+    assert "val/mse" not in md.split("**Warning**")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.warmup_steps", "-5"], r"task 2parity x init default: warmup_steps must be a whole number of steps "
+                                     r">= 0, got -5"),
+    (["--trainer.max_epochs", "0"], r"task 2parity x init default: trainer.max_epochs must be .* got 0"),
+    (["--model.init_options", "{scale: -1}"], r"task 2parity x init mask: init method 'mask': init_options.scale "
+                                              r"must be a number > 0, got -1"),
+])
+def test_dry_run_checks_every_run_by_the_rules_of_a_fit(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(ROOT)
+    inits = ["default"] if "scale" not in args[-1] else ["mask"]
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(tiny_study(tmp_path / "out", inits=inits, tasks=ONE_TASK, args=[*TINY, *args])))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["study", "-c", str(path), "--dry_run", "true"])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_run_directory_deleted_while_the_study_runs_is_run_again(tmp_path, monkeypatch):
+    """A local-launcher study whose first run's directory is deleted mid-run finishes, with every run ok."""
+    monkeypatch.chdir(ROOT)
+    study = load_study(tiny_study(tmp_path / "out", tasks=ONE_TASK, seeds=[0], launcher="local", parallel=1,
+                                  inits=["default", "mask"]))
+    victim = study.runs()[0].dir
+    started = {}
+
+    def delete_when_running():
+        deadline = time.time() + 120
+        while time.time() < deadline and not (victim / "cell.log").is_file():
+            time.sleep(0.05)
+        time.sleep(0.5)
+        shutil.rmtree(victim, ignore_errors=True)
+        started["deleted"] = True
+
+    import threading
+
+    thread = threading.Thread(target=delete_when_running, daemon=True)
+    thread.start()
+    assert run_study(study, log=lambda *a, **k: None) == 0
+    thread.join(timeout=5)
+    assert started.get("deleted")
+    assert all(run.load_result()["status"] == "ok" for run in study.runs())

@@ -21,6 +21,7 @@ the end also ``curves.csv.gz``, ``attention_maps.npz`` and ``figures/`` (PNG and
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import statistics
@@ -34,6 +35,7 @@ from lightning_maskprior.study.cell import prepare_run
 from lightning_maskprior.study.launchers import Launcher, get_launcher
 from lightning_maskprior.study.lock import study_lock
 from lightning_maskprior.study.report import write_outputs
+from lightning_maskprior.study.results import STUDY_FILE, study_info
 from lightning_maskprior.study.spec import Run, Study, StudyError, check_commands, format_command, load_study
 
 
@@ -112,6 +114,11 @@ def build_parser():
     )
     parser.add_argument("--retry_failed", type=bool, default=True, help="Rerun runs that failed last time.")
     parser.add_argument(
+        "--replace_out_dir", type=bool, default=False,
+        help="Run even if out_dir holds another study (another title or study file): its runs that differ from this "
+        "study's are deleted and redone. Without it such an out_dir is refused, naming the study it holds.",
+    )
+    parser.add_argument(
         "--launcher", type=str, default="local",
         help="What executes each run's cell (python -m lightning_maskprior.study.cell <run_dir>). local: a child "
         "process of the study (the default; 'subprocess' is its old name). inprocess: in this process, one at a "
@@ -160,7 +167,27 @@ def run_study(study: Study, log=print) -> int:
     """
     launcher = get_launcher(study.launcher)(study)
     with study_lock(study.out_dir):
+        check_out_dir_owner(study)
         return _run_study(study, launcher, log)
+
+
+def check_out_dir_owner(study: Study) -> None:
+    """Refuse an out_dir whose study.json names another study (title or study file), unless replace_out_dir:
+    running there would delete that study's finished runs wherever their commands differ."""
+    path = study.out_dir / STUDY_FILE
+    if study.replace_out_dir or not path.is_file():
+        return
+    try:
+        theirs = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # unreadable: it is rewritten from the runs
+    ours = study_info(study)
+    if (theirs.get("title"), theirs.get("study_file")) != (ours["title"], ours["study_file"]):
+        raise StudyError(
+            f"out_dir {study.out_dir} holds another study: {theirs.get('title')!r} (from {theirs.get('study_file')}), "
+            f"not {ours['title']!r} (from {ours['study_file']}); running there would redo its finished runs. "
+            "Expected an out_dir of this study's own (--out_dir), or --replace_out_dir true to replace them."
+        )
 
 
 def _run_study(study: Study, launcher: Launcher, log=print) -> int:

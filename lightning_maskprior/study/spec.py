@@ -74,6 +74,7 @@ class Study:
     args: list[str] = field(default_factory=list)
     paper_tables: list[str] = field(default_factory=list)
     retry_failed: bool = True
+    replace_out_dir: bool = False  # run in an out_dir that holds another study's runs (they are redone)
     launcher: str = "local"
     gpus_per_run: int | None = None  # None: the launcher's default (local: 1 when CUDA is present, else 0)
     launcher_options: dict[str, Any] = field(default_factory=dict)  # the launcher's own settings
@@ -278,6 +279,7 @@ def load_study(cfg: Any, path: Path | None = None, known_inits: set[str] | None 
         args=_check_args(cfg.get("args"), "args"),
         paper_tables=paper_tables,
         retry_failed=bool(cfg.get("retry_failed", True)),
+        replace_out_dir=bool(cfg.get("replace_out_dir", False)),
         launcher=launcher,
         gpus_per_run=gpus,
         launcher_options=dict(options),
@@ -359,6 +361,21 @@ def format_command(args: list[str]) -> str:
     return "maskprior " + " ".join(shlex.quote(a) for a in args)
 
 
+def _check_fit_config(printed: str) -> None:
+    """The checks a fit makes of its parsed options before it builds anything (the trainer's, the module's, the
+    init options' types and ranges), on the config ``--print_config`` printed; a ValueError naming the option."""
+    import yaml
+
+    from lightning_maskprior.checks import check_fit_options
+    from lightning_maskprior.module import check_module_options
+
+    config = yaml.safe_load(printed) or {}
+    model = config.get("model") or {}
+    check_fit_options(config.get("trainer") or {}, model)
+    check_module_options(model.get("init", "default"), model.get("init_options"), model.get("lr_schedule", "cosine"),
+                         model.get("warmup_steps", 0), model.get("prior_weight_decay", 0.0))
+
+
 def check_commands(study: Study) -> int:
     """Parse the full ``maskprior fit`` command of every distinct (task, init) with the CLI's own parser
     (``--print_config``: parses every option and config, instantiates nothing); raise StudyError naming the
@@ -383,6 +400,11 @@ def check_commands(study: Study) -> int:
                 message = err.getvalue().strip() or f"exit code {code}"
                 raise StudyError(f"task {task.name} x init {init.label}: the fit command does not parse: "
                                  f"{message}\n  command: {format_command(run.fit_args())}")
+            try:
+                _check_fit_config(out.getvalue())
+            except ValueError as error:
+                raise StudyError(f"task {task.name} x init {init.label}: {error}\n  command: "
+                                 f"{format_command(run.fit_args())}") from None
             checked += 1
     return checked
 

@@ -36,6 +36,16 @@ def method_label(init: InitInfo) -> str:
     return paper_results.VARIANT_LABELS.get(init.label, init.label)
 
 
+def _never_logged(result: ResultSet) -> list[str]:
+    """``task: tag`` for each metric of a task that none of its finished runs logged (a misspelt tag)."""
+    never = []
+    for task in result.tasks:
+        finished = [r for r in result.runs if r.task == task.name and r.status == "ok"]
+        if finished:
+            never += [f"{task.name}: {m.tag}" for m in task.metrics if not any(m.tag in r.values for r in finished)]
+    return never
+
+
 def _columns_note(result: ResultSet) -> str | None:
     """Which variant each column is: the method's task defaults (the paper's settings) plus what the study adds;
     None for a study whose study.json does not record it."""
@@ -195,6 +205,10 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
         lines.append(f"- *paper*: {paper_results.PAPER}. {titles}. – where the paper has no number.")
     if missing:
         lines.append(f"- Not in results.csv, so not shown: {', '.join(missing)}.")
+    never = _never_logged(result)
+    if never:
+        lines.append(f"- **Warning**: no finished run logged {', '.join(never)}; its cells are empty (is the tag "
+                     "spelt as the runs log it? `tensorboard --logdir <run>` lists them).")
     if result.curves is None:
         lines.append("- No curves.csv.gz here: the figures need the runs' curves (run the study again, then "
                      "`maskprior report`).")

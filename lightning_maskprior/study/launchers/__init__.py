@@ -158,6 +158,7 @@ def finished_result(run: Run, returncode: int | None, error: str = "") -> dict:
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically: a reader sees the whole file or none (a cell killed mid-write leaves no half file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # a run directory deleted under a running study comes back
     tmp = path.with_name(f".{path.name}.{time.time_ns()}.tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)

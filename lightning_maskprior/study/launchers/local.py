@@ -84,6 +84,7 @@ class LocalLauncher(Launcher):
     def run(self, runs: list[Run], on_result: OnResult) -> None:
         queue = list(runs)
         free = list(self.slots)
+        redone: set[str] = set()
         try:
             while True:
                 while queue and len(self.live) < self.concurrency and not self.stopping.is_set():
@@ -94,6 +95,16 @@ class LocalLauncher(Launcher):
                 for process, run, slot in ended:
                     if slot is not None:
                         free.append(slot)
+                    if not (run.dir / "run.json").is_file() and run.name not in redone and not self.stopping.is_set():
+                        # Its directory vanished while it ran (deleted by hand, a cleaned scratch disk): run it
+                        # again from the start, once, rather than stop the study.
+                        from lightning_maskprior.study.cell import prepare_run
+
+                        redone.add(run.name)
+                        prepare_run(run, self.study.threads_per_run)
+                        print(f"{run.name}: its directory vanished while it ran; running it again", flush=True)
+                        queue.append(run)
+                        continue
                     error = _log_tail(run.dir / "cell.log")
                     on_result(run, finished_result(run, process.returncode, error))
                 if not self.live and (not queue or self.stopping.is_set()):
