@@ -462,3 +462,27 @@ def test_remove_empty_run_dir(tmp_path):
     assert not checks.remove_empty_run_dir(with_checkpoint) and with_checkpoint.is_dir()
     assert not checks.remove_empty_run_dir(tmp_path / "nowhere")
     assert not checks.remove_empty_run_dir(None)
+
+
+# The real console script, in a subprocess, for a representative row of each kind: the exit code, the message and no
+# traceback, as a user sees them (the rows above call main() in-process).
+SUBPROCESS_ROWS = ["mask scale negative", "lr zero", "target empty", "test without a checkpoint",
+                   "checkpoint other dim", "init option not a number"]
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_ROWS)
+def test_bad_input_through_the_console_script(case, files, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    _, call, expected, pattern = next(c for c in CASES if c[0] == case)
+    f = {**files, "runs": tmp_path / "runs"}
+    argv = [_resolve(a, f) for a in call]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", *argv], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == (expected if isinstance(expected, int) else 2), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(pattern, proc.stderr, re.S), proc.stderr
+    assert not list((tmp_path / "runs").rglob("version_*"))

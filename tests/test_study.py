@@ -661,3 +661,54 @@ def test_a_run_directory_deleted_while_the_study_runs_is_run_again(tmp_path, mon
     thread.join(timeout=5)
     assert started.get("deleted")
     assert all(run.load_result()["status"] == "ok" for run in study.runs())
+
+
+@pytest.mark.slow  # two real studies in subprocesses: ~1-4 min
+def test_a_study_killed_with_sigkill_and_rerun_gives_the_uninterrupted_tables_and_curves(tmp_path):
+    """Every cell of results.csv (but wall time) and every curve point equal those of a study that was never killed;
+    the fit is killed mid-run, after its first checkpoint, and the rerun resumes it (and tests it) from there."""
+    import csv
+    import gzip
+    import signal
+
+    persistence = [{"class_path": "lightning_maskprior.callbacks.PriorPersistence",
+                    "init_args": {"every_n_steps": 2, "probe_size": 16}}]
+    args = [*TINY_BOOLEAN, "--data.init_args.batch_size", "8", "--trainer.max_epochs", "6",
+            "--trainer.check_val_every_n_epoch", "1", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_model_summary", "false", "--trainer.callbacks", json.dumps(persistence)]
+
+    def study_file(out: Path) -> Path:
+        path = tmp_path / f"{out.name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "title": "killed", "tasks": [{"name": "2parity", "config": str(CONFIGS / "boolean/2parity.yaml")}],
+            "inits": ["mask"], "seeds": [0], "args": args, "test": True, "parallel": 1, "launcher": "local",
+            "metrics": [{"tag": "test/mse", "label": "MSE"}, {"tag": "test/acc", "label": "acc"}],
+            "curves": ["val/acc", "val/mse"], "out_dir": str(out)}))
+        return path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lightning_maskprior.cli", "study", "-c"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run([*command, str(study_file(whole))], check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+
+    process = subprocess.Popen([*command, str(study_file(killed))], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoints = killed / "2parity/mask/seed0/lightning_logs/version_0/checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(checkpoints.glob("epoch=1-*.ckpt")) and process.poll() is None:
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)  # the study and its cell and fit: nothing gets to save or record
+    process.wait()
+    assert not (killed / "2parity/mask/seed0/result.json").is_file(), "the run finished before the kill"
+    rerun = subprocess.run([*command, str(study_file(killed))], check=True, env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+    assert "resumed from their last checkpoint" in rerun.stdout
+
+    def rows(path: Path, drop: tuple[str, ...] = ()) -> list[dict]:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", newline="") as f:
+            return [{k: v for k, v in row.items() if k not in drop} for row in csv.DictReader(f)]
+
+    assert rows(killed / "results.csv", ("seconds",)) == rows(whole / "results.csv", ("seconds",))
+    assert rows(killed / "curves.csv.gz") == rows(whole / "curves.csv.gz")
+    assert any(r["tag"] == "persistence/score" for r in rows(whole / "curves.csv.gz"))
