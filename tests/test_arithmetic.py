@@ -149,10 +149,12 @@ def test_structures_cover_any_head_count(heads):
     assert mul[:3, 3:].all()
 
 
-def test_structure_heads_must_match_the_model(tmp_path):
-    with pytest.raises(ValueError, match="has 4 heads but the model has 2"):
+def test_structure_heads_must_match_the_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
         main(["fit", "-c", str(CONFIGS / "arithmetic/addition.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
               "--model.backbone.init_args.num_heads", "2", "--trainer.default_root_dir", str(tmp_path)])
+    assert info.value.code == 2
+    assert "has 4 heads but the model has 2" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------- objective

@@ -52,3 +52,28 @@ def test_step_speed_help_lists_every_option():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
     for option in ("--config", "--threads", "--rounds", "--iters", "--val-rounds", "--lightning-steps"):
         assert option in out
+
+
+def test_gpu_check_runs_at_tiny_size_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.py --tiny: the prior's gradient path (SDPA math against the explicit kernel) and one
+    step of each tiny config, every row ok, the table and the JSON written (on a GPU it runs the paper configs)."""
+    script = SCRIPT.parent / "gpu_check.py"
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    import json
+
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["prior gradient path"]["status"] == "ok"
+    assert len(rows) == 5 and all(r["status"] == "ok" for r in rows.values()), rows
+    assert all(r["gflop_per_step"] > 0 and r["ms_per_step"] > 0 for n, r in rows.items() if n != "prior gradient path")
+    assert "| prior gradient path | ok |" in proc.stdout
+
+
+def test_gpu_check_without_a_gpu_says_so():
+    script = SCRIPT.parent / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr

@@ -184,3 +184,17 @@ def test_a_value_a_class_refuses_is_one_line_and_exit_2_from_the_console_script(
     assert "Traceback" not in proc.stderr
     assert "error: a task of your own needs both `target` and `seen`" in proc.stderr
     assert not tmp_path.joinpath("2parity-mask-seed0").exists()
+
+
+def test_every_checkpoint_of_a_fit_goes_through_the_atomic_writer(tmp_path, monkeypatch):
+    saved = []
+    original = AtomicCheckpointIO.save_checkpoint
+
+    def counting(self, checkpoint, path, storage_options=None):
+        saved.append(Path(path).name)
+        return original(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", counting)
+    main(["fit", *config(), *COMMON, "--trainer.max_epochs", "2", "--trainer.default_root_dir", str(tmp_path)])
+    written = sorted(p.name for p in tmp_path.rglob("*.ckpt"))
+    assert written and set(written) <= set(saved)

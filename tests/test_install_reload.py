@@ -120,10 +120,16 @@ def test_predict_writes_boolean_predictions_to_the_run_directory(finished_run, t
 
 
 def test_predict_writes_arithmetic_predictions(tmp_path):
-    main(["predict", "-c", str(CONFIGS / "arithmetic/addition.yaml"), "--trainer.default_root_dir", str(tmp_path),
-          "--data.init_args.num_digits", "2", "--data.init_args.train_fraction", "0.5",
-          "--data.init_args.val_size", "10", "--data.init_args.test_size", "20",
-          "--trainer.enable_progress_bar", "false"])
+    args = ["-c", str(CONFIGS / "arithmetic/addition.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            "--data.init_args.num_digits", "2", "--data.init_args.train_fraction", "0.5",
+            "--data.init_args.val_size", "10", "--data.init_args.test_size", "20",
+            "--trainer.enable_progress_bar", "false"]
+    main(["fit", *args, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
+          "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "1",
+          "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "16"])
+    main(["predict", *args, "--ckpt_path", "last", "--model.backbone.init_args.dim", "16",
+          "--model.backbone.init_args.depth", "1", "--model.backbone.init_args.head_dim", "8",
+          "--model.backbone.init_args.mlp_dim", "16"])
     (path,) = tmp_path.rglob("predictions.csv")
     rows = _read_csv(path)
     assert len(rows) == 20 and "prediction" in rows[0] and "digits" in rows[0]

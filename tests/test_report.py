@@ -298,7 +298,8 @@ def test_a_labelled_variant_gets_its_name_and_every_column_says_what_it_ran(tmp_
         writer = csv.writer(f)
         writer.writerow(["task", "init", "seed", "status", "seconds", "precision", "test/acc", "test/mse", "error"])
         for label in ("default", "qk_opt_strong", "mask_decayed"):
-            writer.writerow(["2parity", label, 0, "ok", 60.0, "bf16-mixed", 0.75, 1.4, ""])
+            for seed in SEEDS:
+                writer.writerow(["2parity", label, seed, "ok", 60.0, "bf16-mixed", 0.75, 1.4, ""])
     text = render(path, figures=False).read_text()
     assert "| task | Default | QK-Opt (positions x50, lr 1e-2, 500 steps) | Mask (M under weight decay) |" in text
     assert ("- Columns: each init method with its task's defaults (the paper's settings where the paper states "

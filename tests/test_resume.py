@@ -122,9 +122,10 @@ def test_language_resume_mid_epoch_with_validation_inside_the_epoch_is_exact(tmp
     check_resume(tmp_path, language(tmp_path), _signal_at(4), run_status.EXIT_SIGTERM)
 
 
-def test_ckpt_path_last_without_a_checkpoint_says_so(tmp_path):
-    with pytest.raises(SystemExit, match="no last.ckpt under"):
+def test_ckpt_path_last_without_a_checkpoint_says_so(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
         main(["fit", *BOOLEAN, "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", "last"])
+    assert info.value.code == 2 and "no last.ckpt under" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ divergence
