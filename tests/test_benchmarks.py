@@ -77,3 +77,17 @@ def test_gpu_check_without_a_gpu_says_so():
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr
+
+
+def test_run_overhead_splits_a_tiny_fit_and_compares_it_with_its_steps(tmp_path):
+    script = SCRIPT.parent / "run_overhead.py"
+    tiny = ["--data.init_args.n", "6", "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth",
+            "1", "--model.backbone.init_args.head_dim", "8", "--model.backbone.init_args.mlp_dim", "16",
+            "--data.init_args.batch_size", "16", "--data.init_args.eval_batch_size", "64"]
+    proc = subprocess.run([sys.executable, str(script), "--config", "boolean/paper/2parity.yaml", "--epochs", "1",
+                           "--", *tiny], capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "boolean/paper/2parity.yaml: 3 optimizer steps" in proc.stdout
+    for part in ("whole fit", "start-up", "validation", "steps alone", "whole / steps", "extrapolated to its 90 epochs"):
+        assert part in proc.stdout, proc.stdout
