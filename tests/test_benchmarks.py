@@ -89,5 +89,6 @@ def test_run_overhead_splits_a_tiny_fit_and_compares_it_with_its_steps(tmp_path)
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "boolean/paper/2parity.yaml: 3 optimizer steps" in proc.stdout
-    for part in ("whole fit", "start-up", "validation", "steps alone", "whole / steps", "extrapolated to its 90 epochs"):
+    parts = ("whole fit", "start-up", "validation", "steps alone", "whole / steps", "extrapolated to its 90 epochs")
+    for part in parts:
         assert part in proc.stdout, proc.stdout
