@@ -296,7 +296,9 @@ def _continue_run_directory(config) -> None:
 _EPILOG = (
     "more commands: `maskprior study -c study/boolean_cpu.yaml` runs a grid of fits and the paper's table "
     "(maskprior study --help); `maskprior report DIR` rewrites a study's tables and figures from its result "
-    "directory (maskprior report --help); `maskprior configs` lists the packaged configs (-c takes their short names). "
+    "directory (maskprior report --help); `maskprior discover -c CONFIG --out FILE` estimates a structure from a "
+    "task's training data (maskprior discover --help); `maskprior configs` lists the packaged configs (-c takes "
+    "their short names). "
     "`maskprior predict -c CONFIG --ckpt_path RUN/checkpoints/last.ckpt` writes RUN/predictions.csv."
 )
 
@@ -337,6 +339,10 @@ def main(args: list[str] | None = None) -> None:
     argv = config_files.resolve_argv(sys.argv[1:] if args is None else list(args))  # -c NAME: packaged configs
     if argv[:1] == ["configs"]:
         return config_files.main(argv[1:])
+    if argv[:1] == ["discover"]:  # a structure estimated from a task's training data (discover.py)
+        from lightning_maskprior.discover import main as discover_main
+
+        return discover_main(argv[1:])
     if argv[:1] == ["report"]:  # a study's tables and figures from its result directory (study/report.py)
         from lightning_maskprior.study.report import main as report_main
 
