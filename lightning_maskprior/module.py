@@ -104,7 +104,8 @@ class MaskPriorModule(L.LightningModule):
             for ``mask``. They override, key by key, the task's defaults for that method
             (``TaskSpec.init_defaults``: the paper's values for each benchmark).
         structure: Replace the task's own structure with one given here (pairs, per-head pairs,
-            per-layer lists or a .pt/.npy file).
+            per-layer lists or a .pt/.npy file), or ``discover:<method>`` (e.g. ``discover:fourier``): the one
+            that estimator finds in the training data (``maskprior discover``), recorded in the hparams.
         optimizer: Optimizer class and its arguments (default Adam, lr 1e-3).
         lr_schedule: ``constant`` or ``cosine`` decay to 0 over the whole run, stepped per batch.
         warmup_steps: Linear warm-up steps before the schedule.
@@ -123,7 +124,7 @@ class MaskPriorModule(L.LightningModule):
         backbone: Callable[[TaskSpec], Backbone] = TokenTransformer,
         init: str = "default",
         init_options: dict[str, Any] | None = None,
-        structure: StructureSpec | None = None,
+        structure: StructureSpec | str | None = None,
         optimizer: OptimizerCallable = _adam,
         lr_schedule: Literal["constant", "cosine"] = "cosine",
         warmup_steps: int = 0,
@@ -162,12 +163,29 @@ class MaskPriorModule(L.LightningModule):
         self.mean_loss = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
 
     # ----------------------------------------------------------------------------- structure
-    def _resolve_structure(self, spec: StructureSpec | None) -> Structure | None:
+    def _resolve_structure(self, spec: StructureSpec | str | None) -> Structure | None:
+        if isinstance(spec, str):
+            spec = self._discovered(spec)
         structure = spec.build(self.task.seq_len) if spec is not None else self.task.structure
         if structure is None:
             return None
         to_sequence = getattr(self.backbone, "structure_for_sequence", None)
         return to_sequence(structure) if to_sequence is not None else structure
+
+    def _discovered(self, spec: str) -> StructureSpec:
+        """``discover:<method>``: the structure estimator ``method`` finds in the training split of this run's
+        datamodule (discover.py), instead of the task's own; the pairs go into the hyperparameters."""
+        from lightning_maskprior.discover import ESTIMATORS, discover
+
+        method = spec.removeprefix("discover:")
+        if not spec.startswith("discover:") or method not in ESTIMATORS:
+            raise ValueError(f"structure {spec!r}: expected a structure (pairs, heads, layers or file) or "
+                             f"discover:<method> with a method in {sorted(ESTIMATORS)}")
+        if not self.hparams.get("datamodule"):
+            raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
+        found = discover(method, build_datamodule(self.hparams["datamodule"]))
+        self.hparams["discovered_structure"] = {"method": method, "pairs": [list(p) for p in found.pairs]}
+        return StructureSpec(pairs=[list(p) for p in found.pairs])
 
     def attention_layers(self) -> list[PriorAttention]:
         """The backbone's PriorAttention layers, in order (what callbacks read)."""

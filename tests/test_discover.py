@@ -75,3 +75,21 @@ def test_bad_discovery_options_exit_2_naming_them(capsys, args, message):
 def test_the_fourier_estimator_refuses_a_task_that_is_not_boolean():
     with pytest.raises(ValueError, match=r"needs a Boolean task \(BooleanGOTUDataModule\); got ArithmeticDataModule"):
         discover("fourier", ArithmeticDataModule("add", num_digits=2, train_fraction=0.1))
+
+
+def test_a_run_can_train_with_a_discovered_structure(tmp_path):
+    from functools import partial
+
+    from lightning_maskprior.models import TokenTransformer
+    from lightning_maskprior.module import MaskPriorModule
+
+    datamodule = {"class_path": "lightning_maskprior.datamodules.BooleanGOTUDataModule",
+                  "init_args": {"task": "planted", "n": 8, "target": {"x2*x5": 1.0},
+                                "seen": {"1": 1.0, "x2": 1.0, "x5": 1.0}}}
+    backbone = partial(TokenTransformer, dim=16, depth=1, num_heads=3, head_dim=8, mlp_dim=16)
+    module = MaskPriorModule(backbone, init="mask", structure="discover:fourier", datamodule=datamodule)
+    open_ = module.structure.layer(0)[0]
+    assert open_[2, 5] and open_[5, 2] and int(open_.sum()) == 8 + 2
+    assert module.hparams["discovered_structure"] == {"method": "fourier", "pairs": [[2, 5]]}
+    with pytest.raises(ValueError, match=r"structure 'discover:nope': expected .* discover:<method> with a method"):
+        MaskPriorModule(backbone, init="mask", structure="discover:nope", datamodule=datamodule)
