@@ -58,8 +58,8 @@ def test_help_mentions_study_and_configs(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert "maskprior study" in out and "maskprior configs" in out
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog at the terminal's width
+    assert "maskprior study" in out and "maskprior configs" in out and "maskprior discover" in out
 
 
 # ------------------------------------------------------------------------------------- reloading
