@@ -637,6 +637,7 @@ def test_dry_run_checks_every_run_by_the_rules_of_a_fit(tmp_path, monkeypatch, c
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.slow  # two real runs through the local launcher: ~1 min
 def test_a_run_directory_deleted_while_the_study_runs_is_run_again(tmp_path, monkeypatch):
     """A local-launcher study whose first run's directory is deleted mid-run finishes, with every run ok."""
     monkeypatch.chdir(ROOT)
