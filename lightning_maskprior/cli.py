@@ -208,9 +208,9 @@ def _default_logger(root: str | None, model: Any, seed: Any) -> TensorBoardLogge
     if version is not None:
         # Two fits in one SLURM job (or a second fit after the first finished) must not share a directory; a
         # resumed fit finds its own through --ckpt_path instead (_continue_run_directory).
-        taken, k = Path(root) / name, 1
+        job, taken, k = version, Path(root) / name, 1
         while (taken / (version if isinstance(version, str) else f"version_{version}")).exists():
-            version, k = f"version_{SLURMEnvironment.job_id()}_{k}", k + 1
+            version, k = f"version_{job}_{k}", k + 1
     return TensorBoardLogger(save_dir=root, name=name, version=version, default_hp_metric=False)
 
 

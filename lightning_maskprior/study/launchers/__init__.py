@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_maskprior import atomic
+
 if TYPE_CHECKING:
     from lightning_maskprior.study.spec import Run, Study
 
@@ -158,10 +160,7 @@ def finished_result(run: Run, returncode: int | None, error: str = "") -> dict:
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically: a reader sees the whole file or none (a cell killed mid-write leaves no half file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)  # a run directory deleted under a running study comes back
-    tmp = path.with_name(f".{path.name}.{time.time_ns()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    atomic.write_text(path, json.dumps(data, indent=2))  # makes the directory: a deleted run directory comes back
 
 
 #: name -> "module:Class", imported when used (slurm needs submitit, ray needs ray).
