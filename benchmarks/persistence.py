@@ -1,11 +1,11 @@
 """Does the structure survive training? Persistence curves of several inits on one task, side by side.
 
     python benchmarks/persistence.py                                  # 2parity, mask vs qk_opt, CPU scale
-    python benchmarks/persistence.py --inits mask qk_opt default --root /tmp/persistence
-    python benchmarks/persistence.py --skip-fit --root /tmp/persistence   # only read existing runs
+    python benchmarks/persistence.py --inits mask qk_opt default --root runs/persistence
+    python benchmarks/persistence.py --skip-fit --root runs/persistence   # only read existing runs
 
 Each init is one ``maskprior fit`` run (one after the other) of the task config, which enables
-PriorPersistence; the curves are read back from the TensorBoard event files. PAPER.md's thesis:
+PriorPersistence; the curves are read back from the TensorBoard event files. the paper's thesis:
 the mask's score (open attention mass relative to step 0) stays >= 0.9, a query/key init's falls
 below 0.5 (its half-life is the first step where it does).
 """

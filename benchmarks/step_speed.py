@@ -17,7 +17,7 @@ is doing. For each thread count it reports:
    ``Trainer.fit`` with the config's callbacks (plus the CLI's RunGuard and ModelCheckpoint and a
    TensorBoard logger) and by a plain PyTorch loop; the time per step after the first few.
 
-Targets (issue 16), checked at the end: a bf16 step (default and mask) <= 0.5x the fp32 step of the same
+Targets, checked at the end: a bf16 step (default and mask) <= 0.5x the fp32 step of the same
 init; mask/default <= 1.10 in both dtypes at every thread count; Lightning <= 1.10x the raw loop.
 
 The bf16 target depends on the CPU as much as on the code. If a bf16 step ran at the same fraction of the

@@ -75,7 +75,7 @@ class PriorPersistence(Callback):
     - ``prior_drift``: RMS of ``M - M0`` over the N x N entries, in logit units.
     - ``qk_drift``: ``||Wq^T Wk - Wq0^T Wk0||_F / ||Wq0^T Wk0||_F`` (the bilinear form of the logits).
     - ``grad_prior``, ``grad_q``, ``grad_k``: Frobenius norms of the training gradients of M and of
-      the head's Wq and Wk (PAPER.md Corollary 1, measured), taken just before the optimizer step
+      the head's Wq and Wk (arXiv 2608.00418, Corollary 1, measured), taken just before the optimizer step
       that produced the logged step; not at step 0.
 
     A prior shared by all heads (shape (1, N, N)) is logged as head 0. The summaries go to ``persistence/``:

@@ -21,7 +21,7 @@ from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
 OPERATIONS = ("add", "mul")
-# PAPER.md, Table 2: 3% of the pairs for multiplication, 0.4% for addition.
+# arXiv 2608.00418, Table 2: 3% of the pairs for multiplication, 0.4% for addition.
 PAPER_FRACTIONS = {"add": 0.004, "mul": 0.03}
 BLANK = 10  # token id of an answer token: a placeholder the model writes the answer digit into
 
@@ -137,7 +137,7 @@ class ArithmeticDataModule(L.LightningDataModule):
             num_outputs=10 if self.answer_tokens else 10 * self.num_answer,
             objective=DigitsObjective(self.num_answer),
             structure=self.structure(),
-            # PAPER.md: arithmetic masks open = +5, closed = -5.
+            # arXiv 2608.00418: arithmetic masks open = +5, closed = -5.
             init_defaults={
                 **{m: {"open_value": 5.0, "closed_value": -5.0} for m in ("mask", "fixed")},
                 # The paper: QK-SVD's target pattern open = 10000 / closed = 0, through the pseudo-inverse of the

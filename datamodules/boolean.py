@@ -1,6 +1,6 @@
 """Boolean extrapolation (GOTU): train on the seen region, evaluate on the whole cube.
 
-Tasks from PAPER.md (2parity, majority3, cyclic3, threesym) or your own: a target and a seen
+Tasks from the paper (2parity, majority3, cyclic3, threesym) or your own: a target and a seen
 condition, each a Fourier expansion (``{"x0*x1": 1.0, "1": -0.5}``) or a Python import path
 (``"my_module:my_function"``, called with a (B, n) float tensor of +-1 values).
 """
@@ -188,7 +188,7 @@ class BooleanGOTUDataModule(L.LightningDataModule):
             num_outputs=1,
             objective=RegressionObjective(self.label_values),
             structure=self.structure(),
-            # PAPER.md: Boolean masks open = +10, closed = -10.
+            # arXiv 2608.00418: Boolean masks open = +10, closed = -10.
             init_defaults={
                 **{m: {"open_value": 10.0, "closed_value": -10.0} for m in ("mask", "fixed")},
                 # QK baselines at the paper's settings, those of their reference code: QK-SVD with positions x18

@@ -179,7 +179,7 @@ class LanguageModelDataModule(L.LightningDataModule):
             num_outputs=self.tokenizer.get_vocab_size(),
             objective=LanguageModelObjective(IGNORE_INDEX),
             structure=priors.causal_relative_distance(self.block_size),
-            # PAPER.md: M_ij = -max(i - j, 0), applied as log sigmoid(10 M) with the causal mask.
+            # arXiv 2608.00418: M_ij = -max(i - j, 0), applied as log sigmoid(10 M) with the causal mask.
             init_defaults={m: {"scale": 10.0} for m in ("mask", "fixed")},
         )
 

@@ -242,7 +242,7 @@ class ImageClassificationDataModule(L.LightningDataModule):
             # One pattern per 3x3 offset (centre, up, right, left, down, up-left, ...); the backbone
             # decides which head takes which (VisionTransformer.structure_heads).
             structure=priors.grid_impulse(side, side, name=f"3x3 impulse on {side}x{side} patches"),
-            # PAPER.md: vision masks open = +10, closed = -10.
+            # arXiv 2608.00418: vision masks open = +10, closed = -10.
             init_defaults={m: {"open_value": 10.0, "closed_value": -10.0} for m in ("mask", "fixed", "mask_impulse")},
             extras={"img_size": self.img_size, "patch_size": self.patch_size, "in_chans": self.in_chans,
                     "num_classes": num_classes, "grid_size": (side, side)},
@@ -351,7 +351,7 @@ class CIFARDataModule(ImageClassificationDataModule):
     """CIFAR-10 or CIFAR-100 from ``root`` in torchvision's layout (``root/cifar-10-batches-py/...``).
 
     Validation and test both use the official test set (as the reference training script does).
-    PAPER.md recipe: 224 px ViT-Tiny/16, batch 512, 400 epochs (see configs/vision/paper/).
+    The paper's recipe: 224 px ViT-Tiny/16, batch 512, 400 epochs (see configs/vision/paper/).
 
     Args:
         root: Folder that holds ``cifar-10-batches-py/`` or ``cifar-100-python/``.

@@ -5,7 +5,7 @@ blocks that large with ``mmap`` and returns them with ``munmap``, or gives the t
 ``brk`` once more than its trim threshold lies free there. Either way the next step's tensors land on fresh
 pages, and the kernel zeroes each one on first touch. How often depends on the process's heap layout: on the
 2parity CPU model (2 threads) from about 450 to 14,000 minor page faults per fp32 step, at about 0.7 us each,
-and rarely any per bf16 step (measured; issue 16 notes, session 23). With both thresholds raised to 1 GiB,
+and rarely any per bf16 step (measured with benchmarks/step_speed.py). With both thresholds raised to 1 GiB,
 freed blocks stay in the heap and the next step reuses them: fp32 steps of processes that faulted heavily went
 from 114-122 ms to 93-101 ms.
 

@@ -10,8 +10,8 @@ Two kernels compute the same function (the tests check they agree in value and g
   fused flash / memory-efficient kernels, with the prior as an additive mask.
 - ``explicit``: the fused projection viewed as q, k and v, ``softmax(q k^T / sqrt(d) + prior) v`` as matmuls,
   with the softmax of short rows in float32 (:func:`softmax_rows`). On a CPU it is the faster one in both
-  dtypes (``benchmarks/step_speed.py``). For the 2parity CPU model (2 threads, batch 256, 15 tokens, head
-  width 64), one training step of the default / the mask takes (session 22):
+  dtypes. For the 2parity CPU model (2 threads, batch 256, 15 tokens, head
+  width 64), one training step of the default / the mask takes (measured with ``benchmarks/step_speed.py``):
   - fp32: explicit 106 / 111 ms against SDPA 126 / 126 ms;
   - bf16 autocast: 58 / 53 ms against 175 / 91 ms. SDPA's CPU bf16 kernel is slower than its fp32 one at
     this shape, and a grad-requiring prior sends SDPA to its unfused math kernel.
@@ -169,7 +169,7 @@ class PriorAttention(nn.Module):
             x = x.to(autocast_dtype)  # what autocast would do inside the projection; done once, in the open
         # One fused projection; q, k and v are strided (B, H, N, D) views of it, with no permute copy (the matmuls
         # copy what they need). For the explicit kernel, one large matmul instead of three (and three in the
-        # backward) saved 6% of a training step at 2 threads, and was within the noise at 1 (issue 16 notes).
+        # backward) saved 6% of a training step at 2 threads, and was within the noise at 1 (benchmarks/step_speed.py).
         qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
         # SDPA takes its mask in the query's dtype; the explicit kernel adds the prior to float32 logits, so

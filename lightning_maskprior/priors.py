@@ -24,10 +24,10 @@ class Structure:
     ``open[l, h, i, j]`` is True when token i may attend to token j in layer l, head h. A size-1
     layer or head axis means "the same in every layer/head". Every row must have an open entry:
     a row that is all closed adds one constant to every logit, softmax cancels it, and the row
-    becomes fully open (PAPER.md). Builders keep the diagonal open for that reason.
+    becomes fully open (arXiv 2608.00418). Builders keep the diagonal open for that reason.
 
     A *graded* structure also carries real ``values``: the mask inits (``mask``, ``fixed``) use them
-    as the prior logits M instead of their open/closed values (the language prior, PAPER.md:
+    as the prior logits M instead of their open/closed values (the language prior, arXiv 2608.00418:
     M_ij = -max(i - j, 0) on the causal pattern). Inits that only read ``open`` are unaffected.
 
     Args:
@@ -244,7 +244,7 @@ def grid_impulse(height: int, width: int, offsets: Sequence[Pair] | None = None,
 
 
 def causal_relative_distance(n: int, name: str = "causal relative distance") -> Structure:
-    """The language prior (PAPER.md): token i attends to j <= i, graded M_ij = -max(i - j, 0).
+    """The language prior (arXiv 2608.00418): token i attends to j <= i, graded M_ij = -max(i - j, 0).
 
     Applied as ``log sigmoid(s * M)`` (the mask init's ``scale``, s = 10 in the paper) on top of the
     causal mask: the diagonal gets log sigmoid(0) = -0.69, the previous token log sigmoid(-s), and so on.

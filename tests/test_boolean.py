@@ -1,4 +1,4 @@
-"""The Boolean GOTU datamodule: labels, seen/unseen counts and the MDI against PAPER.md."""
+"""The Boolean GOTU datamodule: labels, seen/unseen counts and the MDI against the paper."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ def built(task, n=15, **kwargs):
     return dm, x, cube
 
 
-# task -> (f, seen condition, MDI formula from PAPER.md, seen count out of 2^15)
+# task -> (f, seen condition, MDI formula from the paper, seen count out of 2^15)
 FORMULAS = {
     "2parity": (
         lambda x: x[:, 0] * x[:, 1],

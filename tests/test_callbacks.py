@@ -235,7 +235,7 @@ def test_ddp_logs_the_same_persistence_as_one_process(tmp_path):
 # ------------------------------------------------------------------------------- the thesis
 @pytest.mark.slow
 def test_mask_persists_and_qk_opt_fades_on_2parity(tmp_path):
-    """PAPER.md's thesis at CPU scale: 2parity, 6 epochs each (several minutes per run)."""
+    """the paper's thesis at CPU scale: 2parity, 6 epochs each (several minutes per run)."""
     scores = {}
     for init in ("mask", "qk_opt"):
         root = tmp_path / init

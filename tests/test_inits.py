@@ -168,7 +168,7 @@ def test_tiny_fit_runs_with_each_query_key_init(tiny_args, capsys, init):
     assert "final validation metrics" in capsys.readouterr().out
 
 
-# ------------------------------------------------ the impulse init's parts, for ablations (issue 18)
+# ------------------------------------------------ the impulse init's parts, for ablations
 def _grid_model(seed: int = 0) -> "GridBackbone":
     torch.manual_seed(seed)
     return GridBackbone(3, 3, dim=32, depth=2, num_heads=3, head_dim=12, mlp_dim=32)

@@ -1,4 +1,4 @@
-"""Issue 15: packaged configs by short name, reopening a run (load_from_checkpoint, load_run), predict, --help."""
+"""Packaged configs by short name, reopening a run (load_from_checkpoint, load_run), predict, --help."""
 
 import csv
 import importlib.util

@@ -1,7 +1,7 @@
 """A GPT-style decoder (nanoGPT's layout) built from causal PriorAttention: next-token logits per position.
 
 Token + learned positional embeddings, pre-norm blocks (causal attention, GELU MLP), a final LayerNorm
-and a language-model head tied to the token embedding. The language prior (PAPER.md) is the task's
+and a language-model head tied to the token embedding. The language prior (arXiv 2608.00418) is the task's
 graded structure ``causal_relative_distance``: the mask init adds ``log sigmoid(10 * M)``,
 M_ij = -max(i - j, 0), on top of the causal mask.
 """

@@ -54,7 +54,7 @@ class TokenTransformer(TokenBackbone):
             ``extras["readout_positions"]`` (e.g. arithmetic answer tokens) and the output is
             (B, len(readout_positions), num_outputs).
         pos_init_std: Standard deviation of the positional embedding at init. Large values (GOTU
-            uses 1) drown the prior's signal; 0.02 is the default here (PAPER.md).
+            uses 1) drown the prior's signal; 0.02 is the default here (arXiv 2608.00418).
         dropout: Dropout in attention and MLP.
         qkv_bias: Bias in the query/key/value projection (GOTU: none).
     """

@@ -1,10 +1,10 @@
-"""How far the language prior moved from its start, and how local each init's attention is (issue 18, Table 6).
+"""How far the language prior moved from its start, and how local each init's attention is (the paper's Table 6).
 
-    python experiments/issue18/scripts/prior_drift.py runs/study/pydoc_long [--seed 1337] [--blocks 32]
+    python scripts/prior_drift.py runs/study/pydoc_long [--seed 1337] [--blocks 32]
 
 For each run ``<study>/<task>/<init>/seed<k>`` (final checkpoint):
 
-- every layer with a prior M (``mask``; PAPER.md: M_ij = -max(i - j, 0) at init, applied as log sigmoid(10 M) with
+- every layer with a prior M (``mask``; the paper: M_ij = -max(i - j, 0) at init, applied as log sigmoid(10 M) with
   the causal mask): the mean of M at distances 0..4 against its start (0, -1, ..., -4), the RMS of M - M0 over the
   causal entries (what PriorPersistence logs as persistence/prior_drift, there over all N x N entries) and the largest
   |M - M0|;
@@ -13,7 +13,7 @@ For each run ``<study>/<task>/<init>/seed<k>`` (final checkpoint):
   bigram-like model, whatever its init.
 
 The per-step curve of the drift is in the study's curves.csv.gz (persistence/prior_drift, with
-experiments/issue18/configs/language/pydoc_long.yaml's PriorPersistence). Inference only: seconds per run.
+language/ablations/pydoc_long.yaml's PriorPersistence). Inference only: seconds per run.
 """
 
 from __future__ import annotations

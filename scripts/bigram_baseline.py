@@ -1,8 +1,8 @@
 """Add-k bigram (and unigram) count models on the language datamodule's own tokens, beside a study's perplexities.
 
-    python experiments/issue18/scripts/bigram_baseline.py                                  # pydoc, the baselines alone
+    python scripts/bigram_baseline.py                                  # pydoc, the baselines alone
     # and the study's runs beside them:
-    python experiments/issue18/scripts/bigram_baseline.py --study runs/study/pydoc_long
+    python scripts/bigram_baseline.py --study runs/study/pydoc_long
 
 The datamodule is built from the config's ``data`` section (default configs/language/pydoc.yaml: the same 2048-token
 BPE and splits as the runs, from the cache in ~/.cache/lightning_maskprior/language). Counts come from the training
@@ -10,10 +10,10 @@ split; P(next | prev) = (c(prev, next) + k) / (c(prev) + k V). Perplexity is ove
 first, each predicted from the one before it: exactly the targets the GPT is scored on (the blocks are packed
 back to back, so the first target of a block has the last token of the previous block as context). k is chosen on
 the validation split (the model's checkpoint selection has no such freedom: it is scored at its last step); the
-test column at that k is the fair comparison. docs/notes/issue-7.md measured val / test 62.3 / 144.6 at k = 0.01.
+test column at that k is the fair comparison. On pydoc: val / test 62.3 / 144.6 at k = 0.01.
 
 With ``--study``: the study's per_seed.csv (metric columns ``val ppl`` / ``test ppl``, as
-experiments/issue18/configs/study/pydoc_long.yaml labels them) as mean +- sample std over seeds per init, with
+configs/study/ablations/pydoc_long.yaml labels them) as mean +- sample std over seeds per init, with
 the baselines as extra rows, and the best validation perplexity each run reached (from curves.csv.gz), to
 show whether it overfits before its end.
 Counting only: seconds.

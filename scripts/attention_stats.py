@@ -1,6 +1,6 @@
-"""Attention entropy, locality and effective receptive field per layer of the ViT runs of a study (issue 18, vision).
+"""Attention entropy, locality and effective receptive field per layer of the ViT runs of a study.
 
-    python experiments/issue18/scripts/attention_stats.py runs/study/digits_causes \
+    python scripts/attention_stats.py runs/study/digits_causes \
         [--seed 0] [--images 256] [--inits mask impulse ...]
 
 For each run ``<study>/<task>/<init>/seed<k>`` it reopens the final checkpoint (``load_run``), takes the first

@@ -1,16 +1,16 @@
-"""Seen-region MSE of Boolean runs over training, from the data files of `maskprior study` (issue 18, cyclic3).
+"""Seen-region MSE of Boolean runs over training, from the data files of `maskprior study`.
 
-    python experiments/issue18/scripts/seen_mse.py runs/study/cyclic3_small_const [more dirs ...] [--inits default]
+    python scripts/seen_mse.py runs/study/cyclic3_small_const [more dirs ...] [--inits default]
 
 The study must list ``val/mse`` and ``val/unseen_mse`` among its ``curves`` (the
-experiments/issue18/configs/study/cyclic3_*.yaml
+configs/study/ablations/cyclic3_*.yaml
 files do). The full-cube MSE is the seen and unseen MSE weighted by their shares of the cube, so
 
     seen_mse = (mse - f * unseen_mse) / (1 - f),   f = unseen share (cyclic3: x0 = x1 = x2 = -1, 1/8).
 
 Prints, per study / task / init / seed: the final accuracy over the cube, the final seen-region MSE, the first epoch
-at which the seen MSE is below ``--threshold`` (0.1, the issue's target for "fits the seen region") and whether the
-run meets the issue's targets (default: 87.5% +- 1 with seen MSE < 0.1; mask: >= 99.9%). Writes ``seen_mse.csv`` and
+at which the seen MSE is below ``--threshold`` (0.1: "fits the seen region") and whether the
+run meets the targets (default: 87.5% +- 1 with seen MSE < 0.1; mask: >= 99.9%). Writes ``seen_mse.csv`` and
 ``seen_mse.png`` (seen MSE against epochs, one line per task row and seed, log scale) to ``--out`` (default: the
 first study dir). Reads only the data files; nothing is trained.
 """
