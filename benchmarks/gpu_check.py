@@ -43,10 +43,10 @@ import lightning as L
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_maskprior import config_files
 from lightning_maskprior.attention import PriorAttention
-from lightning_maskprior.cli import MaskPriorCLI
 from lightning_maskprior.module import MaskPriorModule
+from lightning_maskprior.run import config_files
+from lightning_maskprior.run.cli import MaskPriorCLI
 
 # Nominal dense bf16 tensor-core peaks (TFLOP/s, no sparsity), by a substring of torch.cuda.get_device_name().
 NOMINAL_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,

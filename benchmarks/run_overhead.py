@@ -31,9 +31,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_maskprior import config_files
-from lightning_maskprior.cli import MaskPriorCLI
 from lightning_maskprior.module import MaskPriorModule
+from lightning_maskprior.run import config_files
+from lightning_maskprior.run.cli import MaskPriorCLI
 
 DEFAULT_CONFIGS = ("boolean/paper/2parity.yaml", "arithmetic/paper/addition.yaml")
 

@@ -50,10 +50,10 @@ import lightning as L
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_maskprior import allocator, config_files
 from lightning_maskprior.attention import set_attention_kernel
-from lightning_maskprior.cli import MaskPriorCLI
 from lightning_maskprior.module import MaskPriorModule
+from lightning_maskprior.run import allocator, config_files
+from lightning_maskprior.run.cli import MaskPriorCLI
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}

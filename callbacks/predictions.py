@@ -11,6 +11,8 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 
+from lightning_maskprior.run.rundir import RunDir
+
 
 class PredictionWriter(BasePredictionWriter):
     """Write ``predict_step``'s per-example values to ``<run_dir>/predictions.csv``.
@@ -24,7 +26,7 @@ class PredictionWriter(BasePredictionWriter):
         filename: The file's name.
     """
 
-    def __init__(self, run_dir: str | Path | None = None, filename: str = "predictions.csv") -> None:
+    def __init__(self, run_dir: str | Path | None = None, filename: str = RunDir.PREDICTIONS) -> None:
         super().__init__(write_interval="batch")
         self.run_dir, self.filename = run_dir, filename
         self.path: Path | None = None

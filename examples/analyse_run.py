@@ -12,8 +12,7 @@ import sys
 import lightning as L
 import torch
 
-from lightning_maskprior import attention_probabilities, load_run
-from lightning_maskprior.runs import run_precision
+from lightning_maskprior import attention_probabilities, load_run, run_precision
 
 
 def main(run_dir: str) -> dict[str, float]:

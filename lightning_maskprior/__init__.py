@@ -22,8 +22,8 @@ _EXPORTS = {
     "StructureSpec": "priors",
     "Objective": "task",
     "TaskSpec": "task",
-    "load_run": "runs",
-    "run_precision": "runs",
+    "load_run": "run.load",
+    "run_precision": "run.load",
 }
 
 

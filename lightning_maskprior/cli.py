@@ -1,391 +1,46 @@
-"""The ``maskprior`` command: LightningCLI (fit / validate / test) over MaskPriorModule.
+"""The ``maskprior`` command: one table of subcommands, each handed to the part of the package that runs it.
 
-    maskprior fit -c configs/boolean/2parity.yaml -c configs/init/mask.yaml
-    maskprior fit --help
-    maskprior study -c configs/study/boolean_cpu.yaml   (a grid of runs and the paper's table; see study/)
+    maskprior fit -c boolean/2parity.yaml -c init/mask.yaml     (also validate, test, predict: LightningCLI)
+    maskprior study -c study/boolean_cpu.yaml                   (a grid of runs and the paper's tables)
+    maskprior report runs/study/boolean_cpu                     (a study's tables and figures, regenerated)
+    maskprior discover -c boolean/2parity.yaml --out s.yaml     (a structure estimated from the training data)
+    maskprior configs                                           (the packaged configs, by short name)
 
-A run with no logger configured logs to ``<default_root_dir>/<task>-<init>-seed<seed>/version_N`` (e.g.
-``runs/2parity-mask-seed0/version_0``), with its configuration and final metrics in TensorBoard's HPARAMS tab.
-A fit keeps ``<log_dir>/checkpoints/last.ckpt``; ``--ckpt_path last`` resumes the newest one exactly, in the
-same run directory. Exit codes (run_status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT
-after saving last.ckpt.
+Each command's module is imported only when that command runs, so ``maskprior configs`` starts in a moment and
+nothing here is imported back by the modules it dispatches to.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import importlib
 import sys
-from pathlib import Path
-from typing import Any
 
-import lightning as L
-import torch
-from jsonargparse import Namespace
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.plugins import CheckpointIO
-from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning_maskprior.run import checks, config_files
 
-from lightning_maskprior import allocator, checks, config_files, precision, run_status
-from lightning_maskprior.atomic import AtomicCheckpointIO
-from lightning_maskprior.callbacks import PredictionWriter
-from lightning_maskprior.module import MaskPriorModule
-from lightning_maskprior.resume import Diverged, RunGuard
-from lightning_maskprior.runs import LAST, resolve_last
-from lightning_maskprior.tensorboard import HparamsSession
-
-
-class MaskPriorCLI(LightningCLI):
-    """LightningCLI with the datamodule's TaskSpec linked into the model."""
-
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("data", "model.task", apply_on="instantiate", compute_fn=_task_spec)
-        # The datamodule's config goes into the model's hyperparameters (and checkpoints): it rebuilds the task.
-        parser.link_arguments("data", "model.datamodule", apply_on="parse", compute_fn=_datamodule_spec)
-
-    def _parse_ckpt_path(self) -> None:
-        # Lightning would merge the checkpoint's hyperparameters into the config here, silently replacing options
-        # given on the command line. Instead the config is the truth and the checkpoint must belong to it: same
-        # datamodule and task, same init, init options and structure (checks.check_checkpoint_binds), checked
-        # before anything is built or written. Options that only steer training (lr_schedule, the optimizer...)
-        # are the config's: a resumed fit continues with them.
-        subcommand = self.config.get("subcommand")
-        if subcommand is None:
-            return
-        config = self.config[subcommand]
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path == "last":
-            config.ckpt_path = ckpt_path = _resolve_last(config, subcommand)
-        if ckpt_path is None and subcommand in ("test", "predict"):
-            _bad_input(f"{subcommand} needs --ckpt_path, got none; expected the checkpoint of a trained run (e.g. "
-                       f"RUN/checkpoints/last.ckpt, or last: the newest under trainer.default_root_dir). Without one "
-                       f"it would {subcommand} an untrained model")
-        if not ckpt_path or not Path(ckpt_path).is_file():
-            return
-        try:
-            checks.check_checkpoint_binds(ckpt_path, config.get("model"), _datamodule_spec(config.get("data")))
-        except checks.CheckpointError as err:
-            _bad_input(str(err))
-
-    def instantiate_classes(self) -> None:
-        # A bad value a datamodule, structure, init or module refuses while being built is bad input: one line and
-        # exit 2, not a traceback. (Errors once training runs are not caught here.)
-        try:
-            super().instantiate_classes()
-        except (ValueError, FileNotFoundError) as err:
-            _bad_input(_underlying_message(err))
-
-    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
-                     subparser_kwargs: dict[str, Any]) -> None:
-        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
-        self.parser.epilog = _EPILOG  # the commands that are not LightningCLI's
-
-    def before_instantiate_classes(self) -> None:
-        if self.subcommand == "fit":
-            try:
-                checks.check_fit_options(self.config.fit.trainer, self.config.fit.model)
-            except ValueError as err:
-                _bad_input(str(err))
-            _continue_run_directory(self.config.fit)
-        elif self.subcommand is not None:
-            _without_purge_step(self.config[self.subcommand].trainer)
-        if self.subcommand is not None:
-            # bf16 on a CPU without native bf16 becomes fp32. Changed in the config, so the run's config.yaml
-            # (and its hparams) record the precision the run used.
-            trainer = self.config[self.subcommand].trainer
-            trainer.precision, line = precision.resolve(trainer.get("accelerator"), trainer.get("precision"))
-            if line:
-                rank_zero_info(line)
-
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
-        # Every fit keeps last.ckpt (and stops on SIGTERM/SIGINT with it saved), unless checkpointing is off.
-        callbacks = [*callbacks, RunGuard()]
-        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
-            callbacks.append(PredictionWriter(_run_dir_of(self.config.predict.get("ckpt_path"))))
-        if self.subcommand in ("fit", "validate", "test"):
-            callbacks += self._tensorboard_callbacks(config)
-        configured = [c for c in _as_list(config.get("callbacks")) if isinstance(c, ModelCheckpoint)]
-        if config.get("enable_checkpointing", True) is not False:
-            if not configured:
-                # After every training epoch (after its validation, when it has one), whatever the validation
-                # cadence: a kill loses at most the epoch in progress.
-                callbacks.append(ModelCheckpoint(save_last=True, save_on_train_epoch_end=True))
-            for callback in configured:
-                callback.save_last = callback.save_last or True
-        # Checkpoints through a temporary file: a full disk or a kill mid-save never truncates a good last.ckpt.
-        plugins = _as_list(config.get("plugins"))
-        if not any(isinstance(p, CheckpointIO) for p in plugins):
-            config["plugins"] = [*plugins, AtomicCheckpointIO()]
-        return super()._instantiate_trainer(config, callbacks)
-
-    def _tensorboard_callbacks(self, config: dict[str, Any]) -> list[Callback]:
-        """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``; with a logger,
-        the run's HPARAMS session and, in a fit with no LearningRateMonitor of its own, the learning rate per
-        parameter group, ``train/lr/<group>``, every ``log_every_n_steps`` steps."""
-        logger = config.get("logger")
-        if logger is None or logger is True:  # Lightning's default: a TensorBoardLogger in default_root_dir
-            config["logger"] = logger = _default_logger(config.get("default_root_dir"), self.model,
-                                                        self.config[self.subcommand].get("seed_everything"))
-        if logger is False or not _as_list(logger):
-            return []
-        callbacks: list[Callback] = [HparamsSession()]
-        if self.subcommand == "fit" and not any(isinstance(c, LearningRateMonitor)
-                                                for c in _as_list(config.get("callbacks"))):
-            callbacks.append(LearningRateMonitor(logging_interval="step"))
-        return callbacks
-
-    def before_fit(self) -> None:
-        try:  # ckpt_path: readable, fits the model
-            checks.check_subcommand(self.config[self.subcommand], self.model)
-        except (checks.CheckpointError, FileNotFoundError) as err:
-            _bad_input(str(err))
-
-    before_validate = before_test = before_fit
-
-    def _run_subcommand(self, subcommand: str) -> None:
-        try:
-            super()._run_subcommand(subcommand)
-        except BaseException:
-            # A run that failed before logging anything must not leave an empty run in TensorBoard.
-            # logger.log_dir, not trainer.log_dir: the latter is a collective call, unsafe on a failure path.
-            logger = self.trainer.logger
-            if self.trainer.is_global_zero and logger is not None:
-                checks.remove_empty_run_dir(getattr(logger, "log_dir", None))
-            raise
-
-    def after_fit(self) -> None:
-        trainer = self.trainer
-        every = trainer.check_val_every_n_epoch
-        if (every and every > 1 and trainer.current_epoch % every and trainer.limit_val_batches != 0
-                and not trainer.interrupted):
-            # The last epoch was not validated (max_epochs is not a multiple of check_val_every_n_epoch):
-            # validate the final weights, so the printed and last-logged metrics are the final model's.
-            trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
-        _print_metrics(trainer, "val/", "final validation metrics")
-
-    def after_validate(self) -> None:
-        _print_metrics(self.trainer, "val/", "validation metrics")
-
-    def after_test(self) -> None:
-        _print_metrics(self.trainer, "test/", "test metrics")
-
-    def after_predict(self) -> None:
-        # predict logs nothing (its predictions go to the checkpoint's run directory): the version_N directory
-        # Lightning's logger made for it would be an empty run in TensorBoard, with a session of its own.
-        logger = self.trainer.logger
-        if self.trainer.is_global_zero and logger is not None:
-            checks.remove_empty_run_dir(getattr(logger, "log_dir", None))
-
-
-def _as_list(value: Any) -> list:
-    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
-
-
-STUDY_RUN_FILE = "run.json"  # what a study writes in each run's directory (study/spec.py, study/cell.py)
-
-
-def run_name(model: Any, seed: Any) -> str:
-    """``<task>-<init>-seed<seed>``, e.g. ``2parity-mask-seed0``: the directory under ``default_root_dir`` of a run
-    that configured no logger (``-seed<seed>`` only when the run is seeded)."""
-    task = str(getattr(getattr(model, "task", None), "name", None) or "run").rsplit("/", 1)[-1]
-    parts = [task, str(getattr(model, "init_method", None) or "")]
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        parts.append(f"seed{seed}")
-    return "-".join(re.sub(r"[^A-Za-z0-9._+]+", "_", part) for part in parts if part)
-
-
-def _default_logger(root: str | None, model: Any, seed: Any) -> TensorBoardLogger:
-    """The TensorBoardLogger Lightning would create (``save_dir`` = default_root_dir, the SLURM job id as the
-    version under SLURM), named ``run_name`` instead of ``lightning_logs``, with no ``hp_metric`` placeholder.
-    A study's run directory keeps ``lightning_logs``: the study already names it ``<task>/<init>/seed<k>``."""
-    root = root or os.getcwd()
-    name = "lightning_logs" if (Path(root) / STUDY_RUN_FILE).is_file() else run_name(model, seed)
-    version = SLURMEnvironment.job_id()
-    if version is not None:
-        # Two fits in one SLURM job (or a second fit after the first finished) must not share a directory; a
-        # resumed fit finds its own through --ckpt_path instead (_continue_run_directory).
-        job, taken, k = version, Path(root) / name, 1
-        while (taken / (version if isinstance(version, str) else f"version_{version}")).exists():
-            version, k = f"version_{job}_{k}", k + 1
-    return TensorBoardLogger(save_dir=root, name=name, version=version, default_hp_metric=False)
-
-
-def _bad_input(message: str) -> None:
-    """Bad input: one line on stderr and exit 2, before anything is written."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-def _underlying_message(err: BaseException) -> str:
-    """The message of the error a class raised, without jsonargparse's report around it (its "Does not validate
-    against any of the Union subtypes" lists the class's own error as the first item under "Errors:")."""
-    text = str(err).strip()
-    if text.startswith("Call to compute_fn of link") and ") failed: " in text:  # a linked value's computation
-        text = text.rsplit(") failed: ", 1)[1].strip()
-    lines = text.splitlines()
-    if "Errors:" in lines:
-        items = [line.strip()[2:] for line in lines[lines.index("Errors:") + 1 :] if line.strip().startswith("- ")]
-        if items:
-            return items[0]
-    return text
-
-
-def _resolve_last(config, subcommand: str) -> str:
-    """``--ckpt_path last``: the newest run's ``last.ckpt`` under ``trainer.default_root_dir`` (the newest intact
-    checkpoint beside it if that one is cut short), the same for fit, validate, test and predict."""
-    root = Path(config.trainer.get("default_root_dir") or ".")
-    found, note = resolve_last(root)
-    if found is None:
-        then = "train from scratch (omit --ckpt_path)" if subcommand == "fit" else "train one first"
-        _bad_input(f"--ckpt_path last: no {LAST} under {root}/*/*/checkpoints/; expected a run trained there ({then}) "
-                   "or a checkpoint file")
-    if note:
-        print(f"maskprior: {note}", flush=True)
-    if subcommand == "fit":
-        print(f"resuming from {found}", flush=True)
-    return str(found)
-
-
-def _without_purge_step(trainer_config) -> None:
-    """A resumed fit's config.yaml names its TensorBoard version with a ``purge_step`` (what the killed run logged
-    after its checkpoint is hidden). Testing or validating with that config must not purge what the resumed fit
-    logged after that step: the purge belongs to the fit alone."""
-    logger = trainer_config.get("logger")
-    init_args = getattr(logger, "init_args", None)
-    if init_args is not None and getattr(logger, "class_path", "").endswith("TensorBoardLogger"):
-        if init_args.get("purge_step") is not None:
-            init_args.purge_step = None
-
-
-def _continue_run_directory(config) -> None:
-    """Resuming a fit: ``--ckpt_path last`` finds the newest ``last.ckpt``, and the logs continue in its run directory.
-
-    A checkpoint at ``<save_dir>/<name>/<version>/checkpoints/x.ckpt`` makes the TensorBoard logger write
-    to that same ``<version>`` directory instead of a new one, with ``purge_step`` just after the checkpoint's
-    step: points a killed run logged after its last checkpoint are hidden, so no step appears twice.
-    """
-    ckpt = config.get("ckpt_path")  # "last" is resolved already (MaskPriorCLI._parse_ckpt_path)
-    if ckpt is None:
-        return
-    path = Path(ckpt)
-    if path.parent.name != "checkpoints" or not path.is_file():
-        return
-    version_dir = path.parent.parent
-    logger = config.trainer.get("logger")
-    if logger not in (None, True):
-        is_tensorboard = getattr(logger, "class_path", "").endswith("TensorBoardLogger")
-        if not is_tensorboard or logger.init_args.get("version") is not None:
-            return  # a logger the user chose: leave it alone
-    step = checks.read_checkpoint(path).get("global_step")
-    init_args = {"save_dir": str(version_dir.parent.parent), "name": version_dir.parent.name,
-                 "version": version_dir.name}
-    if logger in (None, True):
-        init_args["default_hp_metric"] = False  # as _default_logger: the run's HPARAMS session is HparamsSession's
-    if step:
-        # Callbacks log step S's measurement before the checkpoint at step S is saved; Lightning's own
-        # training scalars at step S come after it and are logged again, identically, by the resumed run.
-        init_args["purge_step"] = int(step) + 1
-    config.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=Namespace(
-        **{**(logger.init_args.as_dict() if logger not in (None, True) else {}), **init_args}))
-
-
-_EPILOG = (
-    "more commands: `maskprior study -c study/boolean_cpu.yaml` runs a grid of fits and the paper's table "
-    "(maskprior study --help); `maskprior report DIR` rewrites a study's tables and figures from its result "
-    "directory (maskprior report --help); `maskprior discover -c CONFIG --out FILE` estimates a structure from a "
-    "task's training data (maskprior discover --help); `maskprior configs` lists the packaged configs (-c takes "
-    "their short names). "
-    "`maskprior predict -c CONFIG --ckpt_path RUN/checkpoints/last.ckpt` writes RUN/predictions.csv."
-)
-
-
-def _run_dir_of(ckpt_path: str | None) -> Path | None:
-    """The run directory of a checkpoint ``<run>/checkpoints/x.ckpt`` (where predictions go), or None."""
-    path = Path(ckpt_path) if ckpt_path else None
-    return path.parent.parent if path is not None and path.parent.name == "checkpoints" else None
-
-
-def _datamodule_spec(data) -> dict[str, Any] | None:
-    if data is None:
-        return None
-    spec = data.as_dict() if isinstance(data, Namespace) else dict(data)
-    return {"class_path": spec.get("class_path"), "init_args": dict(spec.get("init_args") or {})}
-
-
-def _task_spec(datamodule: L.LightningDataModule):
-    if not hasattr(datamodule, "task_spec"):
-        raise TypeError(f"{type(datamodule).__name__} has no task_spec(); it is not a maskprior datamodule")
-    return datamodule.task_spec()
-
-
-def _print_metrics(trainer: L.Trainer, prefix: str, title: str) -> None:
-    log_dir = trainer.log_dir or trainer.default_root_dir  # a collective call: every rank makes it
-    if trainer.global_rank != 0:
-        return
-    values = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
-    if not values:
-        return
-    width = max(len(k) for k in values)
-    lines = [f"{k:<{width}}  {v:.6f}" for k, v in sorted(values.items())]
-    print(f"\n{title} (run directory: {log_dir})\n" + "\n".join(lines), flush=True)
+# subcommand -> (module, function): the function takes the arguments after the subcommand.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "study": ("lightning_maskprior.study.cli", "main"),
+    "report": ("lightning_maskprior.study.report", "main"),
+    "discover": ("lightning_maskprior.run.discover", "main"),
+    "configs": ("lightning_maskprior.run.config_files", "main"),
+}
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``maskprior`` console script."""
+    """Entry point of the ``maskprior`` console script (``args`` without the program name; None: ``sys.argv``)."""
     argv = config_files.resolve_argv(sys.argv[1:] if args is None else list(args))  # -c NAME: packaged configs
-    if argv[:1] == ["configs"]:
-        return config_files.main(argv[1:])
-    if argv[:1] == ["discover"]:  # a structure estimated from a task's training data (discover.py)
-        from lightning_maskprior.discover import main as discover_main
+    command = argv[0] if argv else None
+    if command not in COMMANDS:
+        from lightning_maskprior.run import cli
 
-        return discover_main(argv[1:])
-    if argv[:1] == ["report"]:  # a study's tables and figures from its result directory (study/report.py)
-        from lightning_maskprior.study.report import main as report_main
-
-        return report_main(argv[1:])
-    checks.check_argv(argv)  # -c files and ckpt_path, before LightningCLI reads them: exit 2 naming the file
-    if argv[:1] == ["study"]:  # not a LightningCLI subcommand: a grid of fit/test runs
-        from lightning_maskprior.study import main as study_main
-
-        return study_main(argv[1:])
-    try:  # freed tensors stay in the process instead of coming back as fresh pages every step (allocator.py)
-        allocator.keep_freed_memory_if_enabled()
-    except ValueError as err:
-        print(f"maskprior: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    if args is None:
-        sys.argv[1:] = argv  # LightningCLI (and DDP's re-launched ranks) read sys.argv
-    else:
-        args = argv
-    try:
-        _run_cli(args)
-    except Diverged as err:
-        print(f"maskprior: {err}", file=sys.stderr, flush=True)
-        sys.exit(run_status.EXIT_DIVERGED)
-    except SIGTERMException:  # Lightning's own SIGTERM stop (before training started): still "not finished"
-        sys.exit(run_status.EXIT_SIGTERM)
-    finally:
-        # A DDP run leaves its process group (gloo/NCCL threads) alive; tearing it down at
-        # interpreter exit instead sometimes aborts the process ("terminate called without an
-        # active exception") after a successful fit. Close it here, on every rank.
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def _run_cli(args: list[str] | None) -> None:
-    MaskPriorCLI(
-        MaskPriorModule,
-        L.LightningDataModule,
-        subclass_mode_data=True,
-        trainer_defaults={"default_root_dir": "runs"},
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        auto_configure_optimizers=False,
-    )
+        if args is None:
+            sys.argv[1:] = argv  # LightningCLI (and DDP's re-launched ranks) read sys.argv
+            return cli.main(None)
+        return cli.main(argv)
+    if command == "study":
+        checks.check_argv(argv)  # the study file (and its -c files): exit 2 naming a file that is not YAML
+    module, function = COMMANDS[command]
+    return getattr(importlib.import_module(module), function)(argv[1:])
 
 
 if __name__ == "__main__":

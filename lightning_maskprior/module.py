@@ -17,11 +17,11 @@ from lightning.pytorch.cli import OptimizerCallable, instantiate_class
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lightning_maskprior import checks
 from lightning_maskprior.attention import PriorAttention, attention_layers
 from lightning_maskprior.inits import apply_init, check_init_options
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.priors import Structure, StructureSpec
+from lightning_maskprior.run import checks
 from lightning_maskprior.task import TaskSpec
 
 

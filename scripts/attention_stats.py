@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--per-head", action="store_true")
     args = parser.parse_args()
 
-    from lightning_maskprior.runs import find_checkpoint, load_run
+    from lightning_maskprior import load_run
+    from lightning_maskprior.run.rundir import find_checkpoint
 
     run_dirs = sorted(p for p in args.study.glob(f"*/*/seed{args.seed}") if p.is_dir())
     if args.inits is not None:

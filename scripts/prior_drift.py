@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=32)
     args = parser.parse_args()
 
-    from lightning_maskprior.runs import load_run
+    from lightning_maskprior import load_run
 
     pattern = f"*/*/seed{args.seed}" if args.seed is not None else "*/*/seed*"
     run_dirs = sorted(p for p in args.study.glob(pattern) if p.is_dir())

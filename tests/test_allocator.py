@@ -7,14 +7,14 @@ import textwrap
 
 import pytest
 
-from lightning_maskprior import allocator, cli
+from lightning_maskprior.run import allocator, cli
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 # Where a 48 MiB tensor's memory comes from, and whether freeing it gives the heap back (sbrk(0) is the heap's end).
 HEAP_PROBE = textwrap.dedent("""
     import ctypes, sys, torch
-    from lightning_maskprior import allocator
+    from lightning_maskprior.run import allocator
     if sys.argv[1] == "keep":
         assert allocator.keep_freed_memory()
     libc = ctypes.CDLL("libc.so.6")

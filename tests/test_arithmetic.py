@@ -8,7 +8,7 @@ from lightning_maskprior import priors
 from lightning_maskprior.cli import main
 from lightning_maskprior.datamodules.arithmetic import ArithmeticDataModule, from_digits, to_digits
 from lightning_maskprior.objectives import DigitsObjective
-from lightning_maskprior.tensorboard import read_scalars
+from lightning_maskprior.run.tensorboard import read_scalars
 
 
 @pytest.fixture(scope="module")

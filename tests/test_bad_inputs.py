@@ -14,8 +14,6 @@ import torch
 import yaml
 
 from conftest import CONFIGS, TINY_BOOLEAN
-from lightning_maskprior import checks
-from lightning_maskprior.checks import CheckpointError
 from lightning_maskprior.cli import main
 from lightning_maskprior.datamodules import (
     ArithmeticDataModule,
@@ -27,6 +25,8 @@ from lightning_maskprior.datamodules import (
 )
 from lightning_maskprior.models import TokenTransformer
 from lightning_maskprior.module import MaskPriorModule
+from lightning_maskprior.run import checks
+from lightning_maskprior.run.rundir import Checkpoint, CheckpointError, RunDir
 
 BOOLEAN = str(CONFIGS / "boolean/2parity.yaml")
 MASK = str(CONFIGS / "init/mask.yaml")
@@ -272,10 +272,10 @@ CASES = [
     ("checkpoint other depth", fit_mask("--model.backbone.init_args.depth", "3", "--ckpt_path", "@tiny.ckpt"),
      CheckpointError, r"checkpoint \S*tiny.ckpt was trained with depth 2, the config asks for depth 3$"),
     ("on_load_checkpoint other width",
-     lambda f: tiny_module(dim=32).on_load_checkpoint(checks.read_checkpoint(f["tiny.ckpt"])), CheckpointError,
+     lambda f: tiny_module(dim=32).on_load_checkpoint(Checkpoint(f["tiny.ckpt"]).contents), CheckpointError,
      r"the checkpoint was trained with dim 16, .*the config asks for dim 32"),
     ("on_load_checkpoint other init",
-     lambda f: tiny_module("default").on_load_checkpoint(checks.read_checkpoint(f["tiny.ckpt"])), CheckpointError,
+     lambda f: tiny_module("default").on_load_checkpoint(Checkpoint(f["tiny.ckpt"]).contents), CheckpointError,
      r"the checkpoint has a prior \(trained with init 'mask'\), the config asks for init 'default'"),
     # ---------------------------------------------------------------------------------- study files
     ("study YAML syntax error", study("study_syntax.yaml"), 2,
@@ -413,10 +413,10 @@ def test_the_table_is_large_and_ids_are_unique():
 # ------------------------------------------------------------------------------- what must still work
 def test_our_own_checkpoint_loads_safely_and_fits(files):
     """maskprior's checkpoints load with weights_only=True, and one fits the model of its own config."""
-    checkpoint = checks.read_checkpoint(files["tiny.ckpt"])
+    checkpoint = Checkpoint(files["tiny.ckpt"]).contents
     assert checks.checkpoint_mismatch(checkpoint, tiny_module()) is None
-    checks.check_ckpt_path(files["tiny.ckpt"], tiny_module())
-    checks.check_ckpt_path("last", None)  # Lightning resolves these itself
+    assert checks.check_ckpt_path(files["tiny.ckpt"], tiny_module()).path == Path(files["tiny.ckpt"])
+    assert checks.check_ckpt_path("last", None) is None  # Lightning resolves these itself
 
 
 def test_weights_only_false_is_the_users_choice(files):
@@ -455,13 +455,12 @@ def _run_dir(root: Path, scalar: bool = False, checkpoint: bool = False) -> Path
 
 def test_remove_empty_run_dir(tmp_path):
     empty = _run_dir(tmp_path / "a")
-    assert checks.remove_empty_run_dir(empty) and not empty.exists()
+    assert RunDir(empty).remove_if_empty() and not empty.exists()
     with_scalar = _run_dir(tmp_path / "b", scalar=True)
-    assert not checks.remove_empty_run_dir(with_scalar) and with_scalar.is_dir()
+    assert not RunDir(with_scalar).remove_if_empty() and with_scalar.is_dir()
     with_checkpoint = _run_dir(tmp_path / "c", checkpoint=True)
-    assert not checks.remove_empty_run_dir(with_checkpoint) and with_checkpoint.is_dir()
-    assert not checks.remove_empty_run_dir(tmp_path / "nowhere")
-    assert not checks.remove_empty_run_dir(None)
+    assert not RunDir(with_checkpoint).remove_if_empty() and with_checkpoint.is_dir()
+    assert not RunDir(tmp_path / "nowhere").remove_if_empty()
 
 
 # The real console script, in a subprocess, for a representative row of each kind: the exit code, the message and no

@@ -15,7 +15,7 @@ from lightning_maskprior.callbacks import AttentionMaps, ExtrapolationMonitor, P
 from lightning_maskprior.callbacks.persistence import bilinear_drift, pearson
 from lightning_maskprior.cli import main
 from lightning_maskprior.objectives import RegressionObjective
-from lightning_maskprior.tensorboard import read_hparams, read_scalars
+from lightning_maskprior.run.tensorboard import read_hparams, read_scalars
 
 PERSISTENCE = "lightning_maskprior.callbacks.PriorPersistence"
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import CONFIGS, ROOT, TINY_BOOLEAN
-from lightning_maskprior.atomic import AtomicCheckpointIO
 from lightning_maskprior.cli import main
-from lightning_maskprior.runs import resolve_last
-from lightning_maskprior.tensorboard import read_scalars
+from lightning_maskprior.run.atomic import AtomicCheckpointIO
+from lightning_maskprior.run.rundir import RunDir
+from lightning_maskprior.run.tensorboard import read_scalars
 
 COMMON = [*TINY_BOOLEAN, "--data.init_args.batch_size", "16", "--trainer.enable_progress_bar", "false",
           "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1"]
@@ -155,7 +155,7 @@ def test_last_falls_back_to_the_newest_intact_checkpoint(trained, tmp_path, caps
     checkpoints = root / "2parity-mask-seed0/version_0/checkpoints"
     data = (checkpoints / "last.ckpt").read_bytes()
     (checkpoints / "last.ckpt").write_bytes(data[:40960])
-    found, note = resolve_last(root)
+    found, note = RunDir.resolve_last(root)
     assert found is not None and found.name != "last.ckpt" and found.parent == checkpoints
     assert "last.ckpt is not a complete checkpoint" in note
     main(["test", *config(), *COMMON, "--trainer.default_root_dir", str(root), "--ckpt_path", "last"])

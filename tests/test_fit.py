@@ -9,7 +9,7 @@ import torch
 
 from conftest import CONFIGS, ROOT
 from lightning_maskprior.cli import main
-from lightning_maskprior.tensorboard import read_scalars
+from lightning_maskprior.run.tensorboard import read_scalars
 
 METRICS = ["acc", "mse", "unseen_acc", "unseen_mse", "mdi_acc", "mdi_mse"]
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import CONFIGS, ROOT
-from lightning_maskprior import config_files, load_run, precision
+from lightning_maskprior import load_run, run_precision
 from lightning_maskprior.cli import main
 from lightning_maskprior.module import MaskPriorModule
-from lightning_maskprior.runs import run_precision
+from lightning_maskprior.run import config_files, precision
+from lightning_maskprior.run.tensorboard import read_scalars
 from lightning_maskprior.study.spec import _resolve_path
-from lightning_maskprior.tensorboard import read_scalars
 
 
 # ------------------------------------------------------------------------------ packaged configs

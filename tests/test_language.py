@@ -28,8 +28,8 @@ from lightning_maskprior.inits import INIT_METHODS, apply_init
 from lightning_maskprior.models import GPT
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.objectives import LanguageModelObjective
+from lightning_maskprior.run.tensorboard import read_scalars
 from lightning_maskprior.task import TaskSpec
-from lightning_maskprior.tensorboard import read_scalars
 
 WORDS = "the cat sat on a mat while seven quick brown foxes jumped over lazy dogs and sang".split()
 

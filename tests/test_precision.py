@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from conftest import TINY_BOOLEAN
-from lightning_maskprior import precision
 from lightning_maskprior.cli import main
+from lightning_maskprior.run import precision
 
 
 @pytest.mark.parametrize(("accelerator", "asked", "support", "expected"), [

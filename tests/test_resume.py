@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import CONFIGS, ROOT, TINY_BOOLEAN
-from lightning_maskprior import run_status
 from lightning_maskprior.cli import main
-from lightning_maskprior.tensorboard import read_scalars
+from lightning_maskprior.run import status as run_status
+from lightning_maskprior.run.tensorboard import read_scalars
 
 TESTS = Path(__file__).resolve().parent
 COMMON = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import CONFIGS
 from lightning_maskprior.cli import main
-from lightning_maskprior.tensorboard import last_scalars
+from lightning_maskprior.run.tensorboard import last_scalars
 
 pytestmark = pytest.mark.slow
 

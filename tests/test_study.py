@@ -18,6 +18,7 @@ from conftest import CONFIGS, ROOT, TINY_BOOLEAN
 from lightning_maskprior import paper_results
 from lightning_maskprior.cli import main
 from lightning_maskprior.inits import INIT_METHODS
+from lightning_maskprior.run.rundir import StudyRunDir
 from lightning_maskprior.study import (
     LOCK_NAME,
     OWNER_NAME,
@@ -454,7 +455,7 @@ def test_run_still_executing_elsewhere_is_left_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(cell_module, "CELL_LOCK_WAIT_SECONDS", 0.3)
     run = load_study(tiny_study(tmp_path / "out")).runs()[0]
     run.dir.mkdir(parents=True)
-    holder = hold_lock(run.dir, cell_module.CELL_LOCK)
+    holder = hold_lock(run.dir, StudyRunDir.LOCK)
     try:
         with pytest.raises(StudyError, match=f"{run.name}: .* is still being executed by another process"):
             prepare_run(run)

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import CONFIGS, TINY_BOOLEAN
-from lightning_maskprior.cli import STUDY_RUN_FILE, _default_logger, main, run_name
-from lightning_maskprior.tensorboard import read_hparams, read_scalars
+from lightning_maskprior.cli import main
+from lightning_maskprior.run.cli import _default_logger, run_name
+from lightning_maskprior.run.rundir import StudyRunDir
+from lightning_maskprior.run.tensorboard import read_hparams, read_scalars
 
 STEPS = 6  # 48 seen points of the 6-bit cube, batch 16, 2 epochs
 
@@ -89,7 +91,7 @@ def test_run_names_and_where_the_default_name_is_kept(tmp_path):
     logger = _default_logger(str(tmp_path), model, 3)
     assert logger.name == "addition-qk_opt-seed3" and logger.save_dir == str(tmp_path)
     # A study's run directory (it holds run.json) already says task/init/seed: the logs stay in lightning_logs.
-    (tmp_path / STUDY_RUN_FILE).write_text("{}")
+    StudyRunDir(tmp_path).run_record.write_text("{}")
     assert _default_logger(str(tmp_path), model, 3).name == "lightning_logs"
 
 

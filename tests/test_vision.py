@@ -334,7 +334,7 @@ def test_digits_cli_fit(tmp_path):
           "--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1",
           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
           "--trainer.default_root_dir", str(tmp_path)])
-    from lightning_maskprior.tensorboard import read_scalars
+    from lightning_maskprior.run.tensorboard import read_scalars
 
     scalars = read_scalars(next(tmp_path.rglob("version_0")))
     assert {"val/top1", "val/top5", "val/loss", "persistence/score"} <= set(scalars)

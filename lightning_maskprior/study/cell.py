@@ -7,7 +7,7 @@ process, a SLURM job, a Ray task), so ``maskprior study --table_only true`` buil
 also saves ``<run_dir>/attention_maps.npz`` (study/record.py: attention at the start and the end of training), and
 result.json records the precision the fit ran in.
 Fit and test run as child processes that get the cell's SIGTERM / SIGINT (they save ``last.ckpt``) and
-die with it. The cell's exit code is the run's (lightning_maskprior.run_status): 0 ok, 3 diverged,
+die with it. The cell's exit code is the run's (lightning_maskprior.run.status): 0 ok, 3 diverged,
 143 / 130 interrupted, anything else failed.
 """
 
@@ -26,18 +26,15 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_maskprior.run_status import status_from_returncode
-from lightning_maskprior.runs import find_checkpoint, newest_last_checkpoint
+from lightning_maskprior.run.rundir import RunDir, StudyRunDir, find_checkpoint
+from lightning_maskprior.run.status import status_from_returncode
 from lightning_maskprior.study.launchers import start_child, write_json
 
 if TYPE_CHECKING:
     from lightning_maskprior.study.spec import Run
 
 STDERR_TAIL_LINES = 25
-FIT_FILE = "fit.json"  # written when the fit has finished: a cell stopped during the test only tests again
-CELL_LOCK = ".cell.lock"  # held by the cell executing a run, so nothing deletes or reruns it meanwhile
 CELL_LOCK_WAIT_SECONDS = 120  # a cell of a study that was just stopped may still be saving its last.ckpt
-MAPS_FILE = "attention_maps.npz"  # the fit's attention maps at the start and the end of training (study/record.py)
 
 
 def record_args(path: Path) -> list[str]:
@@ -49,18 +46,18 @@ def record_args(path: Path) -> list[str]:
 
 @contextlib.contextmanager
 def cell_lock(run_dir: Path, wait: float | None = None):
-    """Hold ``<run_dir>/.cell.lock``, waiting up to ``wait`` seconds (default CELL_LOCK_WAIT_SECONDS) for a cell
+    """Hold the run directory's lock, waiting up to ``wait`` seconds (default CELL_LOCK_WAIT_SECONDS) for a cell
     still executing the run (one of a stopped study, or an old job of a requeued one); RuntimeError if it does
     not end."""
     from filelock import FileLock, Timeout
 
     wait = CELL_LOCK_WAIT_SECONDS if wait is None else wait
-    lock = FileLock(Path(run_dir) / CELL_LOCK, timeout=wait)
+    lock = FileLock(StudyRunDir(run_dir).lock, timeout=wait)
     try:
         lock.acquire()
     except Timeout:
         raise RuntimeError(f"{run_dir} is still being executed by another process after {wait:.0f} s "
-                           f"(it holds {Path(run_dir) / CELL_LOCK}); stop it first") from None
+                           f"(it holds {StudyRunDir(run_dir).lock}); stop it first") from None
     try:
         yield
     finally:
@@ -77,7 +74,7 @@ def _read_json(path: Path) -> dict | None:
 
 def resume_checkpoint(run_dir: Path) -> Path | None:
     """The ``last.ckpt`` an interrupted fit left in ``run_dir`` (the newest, if several), or None."""
-    return newest_last_checkpoint(run_dir)
+    return StudyRunDir(run_dir).resume_checkpoint()
 
 
 def prepare_run(run: Run, threads: int | None = None) -> str:
@@ -94,7 +91,7 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
             with cell_lock(run.dir):  # a cell still saving its checkpoint finishes first
                 previous, result = _read_json(run.run_path), run.load_result()
                 unfinished = result is None or (result.get("key") == key and result.get("status") == "interrupted")
-                resumable = resume_checkpoint(run.dir) is not None or (run.dir / FIT_FILE).is_file()
+                resumable = resume_checkpoint(run.dir) is not None or StudyRunDir(run.dir).fit_done.is_file()
                 if previous is not None and previous.get("key") == key and unfinished and resumable:
                     state = "resume"
                 else:
@@ -113,8 +110,8 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
 
 def _fit_dir(run_dir: Path) -> Path | None:
     """The fit's log directory: the newest version_* under lightning_logs with a config.yaml."""
-    dirs = [p.parent for p in run_dir.glob("lightning_logs/version_*/config.yaml")]
-    return max(dirs, key=lambda p: p.stat().st_mtime) if dirs else None
+    found = StudyRunDir(run_dir).fit_dir()
+    return found.path if found is not None else None
 
 
 def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
@@ -143,11 +140,12 @@ class _Children:
                 self.process.send_signal(signum)
 
 
-def _run_child(args: list[str], stem: Path, threads: int | None, children: _Children | None, append: bool) -> int:
+def _run_child(args: list[str], files: StudyRunDir, stage: str, threads: int | None, children: _Children | None,
+               append: bool) -> int:
     """``maskprior <args>`` as a child process (or in this process when ``children`` is None); its stdout and
-    stderr go to ``<stem>.out`` / ``<stem>.err``. Returns the exit code."""
+    stderr go to the run directory's ``<stage>.out`` / ``<stage>.err``. Returns the exit code."""
     mode = "a" if append else "w"
-    with open(stem.with_suffix(".out"), mode) as out, open(stem.with_suffix(".err"), mode) as err:
+    with open(files.output(stage, "out"), mode) as out, open(files.output(stage, "err"), mode) as err:
         if children is None:
             return _run_in_process(args, out, err)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -171,7 +169,7 @@ def _run_child(args: list[str], stem: Path, threads: int | None, children: _Chil
 
 
 def _run_in_process(args: list[str], out, err) -> int:
-    from lightning_maskprior.cli import main
+    from lightning_maskprior.run.cli import main
 
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -203,13 +201,14 @@ def run_cell(run_dir: Path, in_process: bool = False, children: _Children | None
 
 
 def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> dict:
-    spec = _read_json(run_dir / "run.json")
+    files = StudyRunDir(run_dir)
+    spec = _read_json(files.run_record)
     if spec is None:
-        raise FileNotFoundError(f"{run_dir / 'run.json'} is missing or unreadable; the study writes it before "
+        raise FileNotFoundError(f"{files.run_record} is missing or unreadable; the study writes it before "
                                 "launching the cell")
     children = None if in_process else (children or _Children())
     start = time.time()
-    previous = _read_json(run_dir / "result.json")
+    previous = _read_json(files.result)
     earlier = previous if previous and previous.get("key") == spec["key"] and \
         previous.get("status") == "interrupted" else {}
     result: dict[str, Any] = {
@@ -220,24 +219,24 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
     }
     from lightning_maskprior.study.spec import format_command
 
-    fit_record = _read_json(run_dir / FIT_FILE)
+    fit_record = _read_json(files.fit_done)
     if fit_record is not None and fit_record.get("key") == spec["key"]:  # fitted before; the test was stopped
         rc, stage, fit_dir = 0, "fit", Path(fit_record["log_dir"])
         result["commands"].append(fit_record["command"])
     else:
-        fit_args = [*spec["fit"], *record_args(run_dir / MAPS_FILE)]  # attention maps at the start and the end
+        fit_args = [*spec["fit"], *record_args(files.maps)]  # attention maps at the start and the end
         ckpt = resume_checkpoint(run_dir)
         if ckpt is not None:
             fit_args += ["--ckpt_path", str(ckpt)]
             result["resumed_from"] = str(ckpt)
         result["commands"].append(format_command(fit_args))
-        rc = _run_child(fit_args, run_dir / "fit", spec.get("threads"), children, append=ckpt is not None)
+        rc = _run_child(fit_args, files, "fit", spec.get("threads"), children, append=ckpt is not None)
         stage, fit_dir = "fit", (ckpt.parent.parent if ckpt is not None else _fit_dir(run_dir))
         rc = _unless_signalled(rc, children)
         if rc == 0 and fit_dir is not None:  # only a fit that ran to its end is not redone
-            write_json(run_dir / FIT_FILE, {"key": spec["key"], "log_dir": str(fit_dir),
+            write_json(files.fit_done, {"key": spec["key"], "log_dir": str(fit_dir),
                                             "command": result["commands"][-1]})
-    error = tail(run_dir / "fit.err") if rc != 0 else ""
+    error = tail(files.output("fit", "err")) if rc != 0 else ""
     if rc == 0 and spec.get("test", True):
         stage = "test"
         try:
@@ -247,40 +246,27 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         if ckpt is None:
             rc, error = 1, f"no checkpoint found under {run_dir} to test"
         else:
-            test_args = ["test", "-c", str(fit_dir / "config.yaml"), "--ckpt_path", str(ckpt),
+            test_args = ["test", "-c", str(RunDir(fit_dir).config_path), "--ckpt_path", str(ckpt),
                          "--trainer.default_root_dir", str(run_dir)]
             result["commands"].append(format_command(test_args))
-            rc = _run_child(test_args, run_dir / "test", spec.get("threads"), children, append=False)
+            rc = _run_child(test_args, files, "test", spec.get("threads"), children, append=False)
             rc = _unless_signalled(rc, children)
-            error = tail(run_dir / "test.err") if rc != 0 else ""
+            error = tail(files.output("test", "err")) if rc != 0 else ""
     status = status_from_returncode(rc)
-    result["precision"] = _precision(fit_dir)
+    result["precision"] = RunDir(fit_dir).precision(default=None) if fit_dir is not None else None
     end = time.time()
     result.update(status=status, stage=stage, returncode=rc, ended_at=end,
                   seconds=round(earlier.get("seconds", 0.0) + end - start, 1))
     if status in ("ok", "diverged"):
-        from lightning_maskprior.tensorboard import last_scalars
+        from lightning_maskprior.run.tensorboard import last_scalars
 
         result["metrics"] = last_scalars(run_dir)
     else:
         result["metrics"] = {}
     if status != "ok":
         result["error"] = error or f"exit code {rc}"
-    write_json(run_dir / "result.json", result)
+    write_json(files.result, result)
     return result
-
-
-def _precision(fit_dir: Path | None) -> str | None:
-    """The ``trainer.precision`` the fit ran in, from its config.yaml (the CLI writes the one it used there:
-    bf16-mixed on a CPU without native bf16 becomes 32-true); None if unreadable."""
-    import yaml
-
-    try:
-        config = yaml.safe_load((Path(fit_dir) / "config.yaml").read_text())
-        value = config["trainer"]["precision"]
-    except (OSError, TypeError, KeyError, ValueError, yaml.YAMLError):
-        return None
-    return None if value is None else str(value)
 
 
 def main(argv: list[str] | None = None) -> int:

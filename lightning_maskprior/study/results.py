@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_maskprior import atomic
-from lightning_maskprior.config_files import option_values
+from lightning_maskprior.run import atomic
+from lightning_maskprior.run.config_files import option_values
+from lightning_maskprior.run.rundir import StudyRunDir
 from lightning_maskprior.study.spec import Metric, Run, Study
 
 STUDY_FILE, RESULTS_FILE, CURVES_FILE, MAPS_FILE = "study.json", "results.csv", "curves.csv.gz", "attention_maps.npz"
@@ -144,10 +145,10 @@ def collect(study: Study, curves: bool = True) -> None:
 def fit_log_dir(run_dir: Path) -> Path:
     """The fit's TensorBoard directory (not the test's): the one fit.json names, else the run directory."""
     try:
-        logged = Path(json.loads((run_dir / "fit.json").read_text())["log_dir"])
+        logged = Path(json.loads(StudyRunDir(run_dir).fit_done.read_text())["log_dir"])
     except (OSError, ValueError, KeyError, TypeError):
         return run_dir
-    local = run_dir / "lightning_logs" / logged.name  # the same run seen from another machine or mount
+    local = run_dir / StudyRunDir.LOGS / logged.name  # the same run seen from another machine or mount
     return local if local.is_dir() else (logged if logged.is_dir() else run_dir)
 
 
@@ -182,7 +183,7 @@ def downsample(points: list, limit: int = MAX_POINTS) -> list:
 
 
 def _write_curves(path: Path, runs: list[tuple[Run, dict]]) -> None:
-    from lightning_maskprior.tensorboard import read_scalars
+    from lightning_maskprior.run.tensorboard import read_scalars
 
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
@@ -205,12 +206,10 @@ def _write_curves(path: Path, runs: list[tuple[Run, dict]]) -> None:
 def _write_maps(path: Path, runs: list[Run]) -> None:
     import numpy as np
 
-    from lightning_maskprior.study.cell import MAPS_FILE as RUN_MAPS
-
     arrays = {}
     for run in runs:
-        if (run.dir / RUN_MAPS).is_file():
-            with np.load(run.dir / RUN_MAPS) as data:
+        if StudyRunDir(run.dir).maps.is_file():
+            with np.loadStudyRunDir(run.dir).maps as data:
                 arrays.update({f"{run.task.name}/{run.init.label}/{key}": data[key] for key in data.files})
     if arrays:
         with atomic.atomic_path(path) as tmp, open(tmp, "wb") as f:

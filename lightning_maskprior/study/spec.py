@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_maskprior import config_files, paper_results
+from lightning_maskprior import paper_results
+from lightning_maskprior.run import config_files
+from lightning_maskprior.run.rundir import StudyRunDir
 
 
 class StudyError(ValueError):
@@ -241,7 +243,7 @@ def load_study(cfg: Any, path: Path | None = None, known_inits: set[str] | None 
     parallel = cfg.get("parallel", 1)
     if not isinstance(parallel, int) or parallel < 1:
         raise StudyError(f"parallel: must be a positive integer, got {parallel!r}")
-    from lightning_maskprior.study.launchers import LAUNCHERS
+    from lightning_maskprior.study.launchers.registry import LAUNCHERS
 
     launcher = cfg.get("launcher", "local")
     if launcher not in LAUNCHERS:
@@ -306,8 +308,9 @@ class Run:
     def __init__(self, study: Study, task: TaskEntry, init: InitEntry, seed: int) -> None:
         self.study, self.task, self.init, self.seed = study, task, init, seed
         self.dir = study.out_dir / task.name / init.label / f"seed{seed}"
-        self.result_path = self.dir / "result.json"
-        self.run_path = self.dir / "run.json"  # what the cell executes, written by the study before launching
+        files = StudyRunDir(self.dir)
+        self.result_path = files.result
+        self.run_path = files.run_record  # what the cell executes, written by the study before launching
 
     @property
     def name(self) -> str:
@@ -366,8 +369,8 @@ def _check_fit_config(printed: str) -> None:
     init options' types and ranges), on the config ``--print_config`` printed; a ValueError naming the option."""
     import yaml
 
-    from lightning_maskprior.checks import check_fit_options
     from lightning_maskprior.module import check_module_options
+    from lightning_maskprior.run.checks import check_fit_options
 
     config = yaml.safe_load(printed) or {}
     model = config.get("model") or {}
@@ -381,7 +384,7 @@ def check_commands(study: Study) -> int:
     (``--print_config``: parses every option and config, instantiates nothing); raise StudyError naming the
     task and init whose command does not parse (a misspelled option in a task's args, a bad value).
     Returns the number of commands checked. Seeds only change seed options, so the first seed stands for all."""
-    from lightning_maskprior.cli import main as cli_main
+    from lightning_maskprior.run.cli import main as cli_main
 
     checked = 0
     for task in study.tasks:

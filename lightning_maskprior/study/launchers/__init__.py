@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_maskprior import atomic
+from lightning_maskprior.run import atomic
+from lightning_maskprior.study.launchers.registry import LAUNCHERS
 
 if TYPE_CHECKING:
     from lightning_maskprior.study.spec import Run, Study
@@ -146,7 +147,7 @@ def finished_result(run: Run, returncode: int | None, error: str = "") -> dict:
     result = run.load_result()
     if result is not None and result.get("key") == run.key():
         return result
-    from lightning_maskprior.run_status import status_from_returncode
+    from lightning_maskprior.run.status import status_from_returncode
 
     status = "failed" if returncode is None else status_from_returncode(returncode)
     status = "failed" if status == "ok" else status  # exit 0 but no result.json: the cell did not finish
@@ -161,16 +162,6 @@ def finished_result(run: Run, returncode: int | None, error: str = "") -> dict:
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically: a reader sees the whole file or none (a cell killed mid-write leaves no half file)."""
     atomic.write_text(path, json.dumps(data, indent=2))  # makes the directory: a deleted run directory comes back
-
-
-#: name -> "module:Class", imported when used (slurm needs submitit, ray needs ray).
-LAUNCHERS: dict[str, str] = {
-    "local": "lightning_maskprior.study.launchers.local:LocalLauncher",
-    "subprocess": "lightning_maskprior.study.launchers.local:LocalLauncher",  # the old name of "local"
-    "inprocess": "lightning_maskprior.study.launchers.local:InProcessLauncher",
-    "slurm": "lightning_maskprior.study.launchers.slurm:SlurmLauncher",
-    "ray": "lightning_maskprior.study.launchers.ray:RayLauncher",
-}
 
 
 def get_launcher(name: str) -> type[Launcher]:

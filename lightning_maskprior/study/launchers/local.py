@@ -95,7 +95,7 @@ class LocalLauncher(Launcher):
                 for process, run, slot in ended:
                     if slot is not None:
                         free.append(slot)
-                    if not (run.dir / "run.json").is_file() and run.name not in redone and not self.stopping.is_set():
+                    if not run.run_path.is_file() and run.name not in redone and not self.stopping.is_set():
                         # Its directory vanished while it ran (deleted by hand, a cleaned scratch disk): run it
                         # again from the start, once, rather than stop the study.
                         from lightning_maskprior.study.cell import prepare_run

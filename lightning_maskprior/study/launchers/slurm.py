@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_maskprior.run_status import INTERRUPTED_CODES
+from lightning_maskprior.run.status import INTERRUPTED_CODES
 from lightning_maskprior.study.launchers import (
     STOP_TIMEOUT_S,
     Launcher,

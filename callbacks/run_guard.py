@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_maskprior.runs import LAST
+from lightning_maskprior.run.rundir import RunDir
 
 
 class Diverged(RuntimeError):
@@ -67,8 +67,8 @@ def last_checkpoint_path(trainer: L.Trainer) -> Path:
     """Where ``last.ckpt`` goes: the ModelCheckpoint's directory, else ``<log_dir>/checkpoints``."""
     callback = trainer.checkpoint_callback
     if isinstance(callback, ModelCheckpoint) and callback.dirpath:
-        return Path(callback.dirpath) / LAST
-    return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints" / LAST
+        return Path(callback.dirpath) / RunDir.LAST
+    return RunDir(trainer.log_dir or trainer.default_root_dir).last_checkpoint
 
 
 class RunGuard(Callback):

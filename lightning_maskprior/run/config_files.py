@@ -22,11 +22,11 @@ _CONFIG_OPTIONS = ("-c", "--config")
 
 def packaged_dir() -> Path:
     """Where the packaged configs are: inside the installed package, or ``configs/`` of a clone."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "configs", here.parent / "configs"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "configs", package.parent / "configs"):
         if candidate.is_dir():
             return candidate
-    return here / "configs"
+    return package / "configs"
 
 
 def packaged(name: str | Path) -> Path | None:

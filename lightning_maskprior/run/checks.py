@@ -6,12 +6,8 @@ checkpoints with ``torch.load(weights_only=True)``, YAML with ``yaml.safe_load``
 
 from __future__ import annotations
 
-import contextlib
-import pickle
 import re
-import shutil
 import sys
-import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,27 +16,31 @@ import torch
 import yaml
 from torch import nn
 
-from lightning_maskprior.config_files import option_values
+from lightning_maskprior.run.config_files import option_values
+from lightning_maskprior.run.rundir import Checkpoint, CheckpointError
+
+__all__ = ["CheckpointError"]  # raised by the checks below
 
 # ckpt_path values Lightning resolves itself (not files).
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
 
 
 # ---------------------------------------------------------------------------------- config files
-def check_argv(argv: list[str]) -> None:
-    """Exit 2 with a message naming the file if a ``-c`` file is not valid YAML or the ``ckpt_path`` is unreadable.
+def check_argv(argv: list[str]) -> Checkpoint | None:
+    """Exit 2 with a message naming the file if a ``-c`` file is not valid YAML or the ``ckpt_path`` is unreadable;
+    return the ``ckpt_path`` as a :class:`Checkpoint` (read once, here), or None.
 
     jsonargparse reports a YAML syntax error without naming the file (``in "<unicode string>"``), and
     LightningCLI loads ``ckpt_path`` before any hook runs, failing with torch's raw error.
     """
     try:
-        _check_argv(argv)
+        return _check_argv(argv)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
-def _check_argv(argv: list[str]) -> None:
+def _check_argv(argv: list[str]) -> Checkpoint | None:
     what = "study file" if argv[:1] == ["study"] else "config"
     ckpt_path = weights_only = None
     for _, option, value, _ in option_values(argv, ("-c", "--config", "--ckpt_path", "--weights_only")):
@@ -53,9 +53,10 @@ def _check_argv(argv: list[str]) -> None:
             ckpt_path = None if value in ("null", "None") else value
         elif option == "--weights_only":
             weights_only = {"true": True, "false": False}.get(value.lower())
-    if argv[:1] != ["study"]:
-        # LightningCLI reads the checkpoint's hyperparameters right after parsing, before any hook of ours.
-        check_ckpt_path(ckpt_path, None, weights_only)
+    if argv[:1] == ["study"]:
+        return None
+    # LightningCLI reads the checkpoint's hyperparameters right after parsing, before any hook of ours.
+    return check_ckpt_path(ckpt_path, None, weights_only)
 
 
 def check_yaml_file(path: str | Path, what: str = "config") -> Any:
@@ -91,103 +92,27 @@ def check_yaml_file(path: str | Path, what: str = "config") -> Any:
 
 
 # ----------------------------------------------------------------------------------- checkpoints
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or that was trained with another model than the config builds."""
-
-
 def check_ckpt_path(
-    ckpt_path: str | Path | None, model: nn.Module | None = None, weights_only: bool | None = None
-) -> None:
-    """Fail before any training if ``ckpt_path`` is unreadable or does not fit ``model``.
+    ckpt_path: str | Path | Checkpoint | None, model: nn.Module | None = None, weights_only: bool | None = None
+) -> Checkpoint | None:
+    """Fail before any training if ``ckpt_path`` is unreadable or does not fit ``model``; the checkpoint, or None
+    for none or one that Lightning resolves itself.
 
     ``last``, ``best``, ``hpc`` and ``registry`` paths are Lightning's to resolve. With ``weights_only``
     false (the user's explicit choice to trust the file) nothing is unpickled here: only the zip structure
     is checked; the shapes are then compared in ``MaskPriorModule.on_load_checkpoint``.
     """
     if ckpt_path is None or str(ckpt_path) in SPECIAL_CKPT_PATHS or str(ckpt_path).startswith("registry"):
-        return
+        return None
+    checkpoint = ckpt_path if isinstance(ckpt_path, Checkpoint) else Checkpoint(ckpt_path)
     if weights_only is False:
-        _check_checkpoint_file(Path(ckpt_path))
-        return
-    checkpoint = read_checkpoint(ckpt_path)
+        checkpoint.check_file()
+        return checkpoint
     if model is not None:
-        check_checkpoint_fits(checkpoint, model, ckpt_path)
-
-
-def check_subcommand(config: Mapping[str, Any], model: nn.Module | None) -> None:
-    """The checks of a ``fit`` / ``validate`` / ``test`` config made once the model exists (its ``ckpt_path``)."""
-    check_ckpt_path(config.get("ckpt_path"), model, config.get("weights_only"))
-
-
-def _not_readable(path: Path, reason: str) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {path} is not a readable PyTorch checkpoint (truncated or not a checkpoint): {reason}"
-    )
-
-
-def _check_checkpoint_file(path: Path) -> None:
-    if not path.exists():
-        raise FileNotFoundError(f"ckpt_path {path} does not exist; expected a .ckpt file written by a fit")
-    if path.is_dir():
-        raise CheckpointError(f"ckpt_path {path} is a directory; expected a .ckpt file (e.g. {path}/last.ckpt)")
-    if path.stat().st_size == 0:
-        raise _not_readable(path, "the file is empty")
-    if not zipfile.is_zipfile(path):
-        raise _not_readable(path, "it is not a complete zip archive, which torch.save writes")
-
-
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A Lightning checkpoint loaded safely (tensors and plain values only), or an error naming the file.
-
-    One ``maskprior`` command reads its ``ckpt_path`` at several points before Lightning loads it (checked
-    before parsing, hyperparameters, the step to continue the logs from, the fit with the model). The last
-    file read is kept (memory-mapped), so that is one read, whatever the checkpoint's size.
-    """
-    path = Path(path)
-    _check_checkpoint_file(path)
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    if _LAST_READ.get("key") != key:
-        _LAST_READ.update(key=key, checkpoint=_read_checkpoint(path))
-    return _LAST_READ["checkpoint"]
-
-
-_LAST_READ: dict[str, Any] = {}
-
-
-def _read_checkpoint(path: Path) -> dict[str, Any]:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
-        try:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # noqa: BLE001 - the list is only for the message
-            unsafe = []
-        if unsafe:
-            raise CheckpointError(
-                f"checkpoint {path} holds Python objects a safe load refuses ({', '.join(unsafe[:4])}); "
-                "expected tensors and plain values only, as maskprior's checkpoints hold. Do not load a file "
-                "you did not write yourself."
-            ) from None
-        raise _not_readable(path, "its pickled content is corrupt") from None
-    except Exception as err:  # noqa: BLE001 - any reader error: say which file
-        raise _not_readable(path, _short_reason(err)) from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        held = f"a {type(checkpoint).__name__}"
-        if isinstance(checkpoint, dict):
-            held = f"a dict with keys {sorted(map(str, checkpoint))[:6]}"
-        raise CheckpointError(
-            f"checkpoint {path} holds {held}; expected a Lightning checkpoint (a dict with a 'state_dict')"
-        )
+        check_checkpoint_fits(checkpoint.contents, model, checkpoint.path)
+    else:
+        checkpoint.contents  # noqa: B018 - read (and so checked) now
     return checkpoint
-
-
-def _short_reason(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    first = lines[0] if lines else ""
-    if not first or "weights_only" in first:  # never pass on torch's advice to load unsafely
-        return type(err).__name__
-    return first[:200]
 
 
 # The options of our backbones, read from parameter shapes (TokenTransformer, GPT, timm's ViT under ``model.``).
@@ -310,12 +235,12 @@ def binding_mismatch(hparams: Mapping[str, Any], model: Mapping[str, Any], data:
     return problems
 
 
-def check_checkpoint_binds(ckpt_path: str | Path, model: Mapping[str, Any], data: Mapping[str, Any] | None) -> None:
+def check_checkpoint_binds(checkpoint: Checkpoint, model: Mapping[str, Any], data: Mapping[str, Any] | None) -> None:
     """Raise a CheckpointError naming both sides if the checkpoint was trained on another task, data or init."""
-    problems = binding_mismatch(read_checkpoint(ckpt_path).get("hyper_parameters") or {}, model, data)
+    problems = binding_mismatch(checkpoint.hparams, model, data)
     if problems:
         raise CheckpointError(
-            f"checkpoint {ckpt_path} belongs to another run than the config describes: {'; '.join(problems)}. "
+            f"checkpoint {checkpoint.path} belongs to another run than the config describes: {'; '.join(problems)}. "
             "Give the run's own config (-c <run directory>/config.yaml) or a checkpoint of this task and init."
         )
 
@@ -353,51 +278,3 @@ def check_fit_options(trainer: Mapping[str, Any], model: Mapping[str, Any]) -> N
     if lr is not None and not (_number(lr) and lr > 0):
         raise ValueError(f"model.optimizer.init_args.lr must be a number > 0, got {lr!r}: the fit would train "
                          "nothing")
-
-
-# ------------------------------------------------------------------------------- run directories
-_RUN_FILES = ("config.yaml", "hparams.yaml", "tokenizer.json")
-
-
-def remove_empty_run_dir(log_dir: str | Path | None) -> bool:
-    """Remove a run (``version_N``) directory a failed run left with nothing in it, and its parent (the run's
-    name, e.g. ``runs/2parity-mask-seed0``) if that is then empty; True if removed.
-
-    Nothing means: only ``config.yaml``, ``hparams.yaml``, ``tokenizer.json``, event files without a logged
-    value (hyperparameters only) and empty folders (``checkpoints/``). Anything else (a scalar, an image, a
-    checkpoint, a file of the user's) keeps it.
-    """
-    if log_dir is None:
-        return False
-    log_dir = Path(log_dir)
-    if not log_dir.is_dir():
-        return False
-    for path in log_dir.rglob("*"):
-        if path.is_dir():
-            continue
-        if path.parent == log_dir and path.name in _RUN_FILES:
-            continue
-        if path.name.startswith("events.out.tfevents.") and not _has_logged_values(path):
-            continue
-        return False
-    shutil.rmtree(log_dir, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        log_dir.parent.rmdir()  # only if empty: no other version of that name
-    return True
-
-
-def _has_logged_values(path: Path) -> bool:
-    """Whether an event file holds a logged value (a scalar, an image...): anything but hyperparameters."""
-    if path.stat().st_size == 0:
-        return False
-    try:
-        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-        for event in EventFileLoader(str(path)).Load():
-            for value in event.summary.value:
-                # A TensorBoardLogger with default_hp_metric (not the CLI's) logs hp_metric = -1 with its hparams.
-                if value.metadata.plugin_data.plugin_name != "hparams" and value.tag != "hp_metric":
-                    return True
-    except Exception:  # noqa: BLE001 - unreadable: keep the directory
-        return True
-    return False

@@ -1,0 +1,5 @@
+"""``python -m lightning_maskprior``: the ``maskprior`` command."""
+
+from lightning_maskprior.cli import main
+
+main()

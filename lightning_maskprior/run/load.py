@@ -1,0 +1,37 @@
+"""Reopen a finished run: ``load_run(run_dir)`` returns the trained module and its datamodule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning_maskprior.module import MaskPriorModule, build_datamodule
+from lightning_maskprior.run.rundir import RunDir, find_checkpoint
+
+
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_location: Any = "cpu"):
+    """``(module, datamodule)`` of a finished run, the module in eval mode and the datamodule set up to validate.
+
+    Args:
+        run_dir: A run directory (``runs/2parity-mask-seed0/version_N``, or a study run's directory holding one).
+        checkpoint: Which checkpoint (default: ``last.ckpt``, else the newest one).
+        map_location: Where the weights go (default: the CPU).
+
+    The datamodule is built from the run's ``config.yaml`` (the checkpoint's copy of it when there is none).
+    """
+    ckpt = Path(checkpoint) if checkpoint is not None else find_checkpoint(run_dir)
+    module = MaskPriorModule.load_from_checkpoint(ckpt, map_location=map_location)
+    module.eval()
+    owner = RunDir.of_checkpoint(ckpt)
+    spec = (owner.data_spec() if owner is not None else None) or module.hparams.get("datamodule")
+    datamodule = build_datamodule(spec)
+    datamodule.setup("validate")
+    return module, datamodule
+
+
+def run_precision(run_dir: str | Path, checkpoint: str | Path | None = None) -> str:
+    """The precision a run trained and validated in (its ``config.yaml``'s ``trainer.precision``), e.g.
+    ``bf16-mixed``: give it to the Trainer that re-validates a reopened run, and the metrics come out as logged."""
+    ckpt = Path(checkpoint) if checkpoint is not None else find_checkpoint(run_dir)
+    owner = RunDir.of_checkpoint(ckpt)
+    return owner.precision() if owner is not None else "32-true"

@@ -1,0 +1,313 @@
+"""A run's directory and the facts derived from its files, in one place (``load.py`` reopens a finished run).
+
+A fit writes ``<root>/<name>/<version>/`` (a :class:`RunDir`, e.g. ``runs/2parity-mask-seed0/version_0``)::
+
+    config.yaml          the whole configuration the fit ran with (precision as used)
+    hparams.yaml         the module's hyperparameters (Lightning's)
+    checkpoints/         last.ckpt after every training epoch, and any others a ModelCheckpoint keeps
+    predictions.csv      what ``maskprior predict`` wrote from one of its checkpoints
+    events.out.tfevents.* TensorBoard
+
+A study runs each fit in a :class:`StudyRunDir` (``<out_dir>/<task>/<init>/seed<k>/``), which holds the run's
+record (``run.json``, written by the study), its result (``result.json``, written by the run), the console output
+and the fit's own run directory under ``lightning_logs/``.
+
+:class:`Checkpoint` is one checkpoint file, read at most once (safely: tensors and plain values only) however many
+checks look at it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import shutil
+import zipfile
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that was trained with another model than the config builds."""
+
+
+class RunDir:
+    """A fit's run directory (the TensorBoard logger's ``log_dir``)."""
+
+    CONFIG = "config.yaml"
+    HPARAMS = "hparams.yaml"
+    TOKENIZER = "tokenizer.json"  # the language datamodules' tokenizer, saved beside the config
+    CHECKPOINTS = "checkpoints"
+    LAST = "last.ckpt"
+    PREDICTIONS = "predictions.csv"
+    FILES_WITHOUT_RESULTS = (CONFIG, HPARAMS, TOKENIZER)  # what a run writes before it has measured anything
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunDir) and self.path == other.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    @classmethod
+    def of_checkpoint(cls, ckpt: str | Path | None) -> RunDir | None:
+        """The run directory of ``<run>/checkpoints/x.ckpt``, or None for a checkpoint kept elsewhere."""
+        path = Path(ckpt) if ckpt else None
+        return cls(path.parent.parent) if path is not None and path.parent.name == cls.CHECKPOINTS else None
+
+    # ------------------------------------------------------------------------------------------------ files
+    @property
+    def config_path(self) -> Path:
+        return self.path / self.CONFIG
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / self.CHECKPOINTS
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.checkpoints / self.LAST
+
+    @property
+    def predictions(self) -> Path:
+        return self.path / self.PREDICTIONS
+
+    # ------------------------------------------------------------------------------------------------ facts
+    def config(self) -> dict[str, Any]:
+        """The run's ``config.yaml`` ({} when it has none or it cannot be read)."""
+        try:
+            config = yaml.safe_load(self.config_path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            return {}
+        return config if isinstance(config, dict) else {}
+
+    def precision(self, default: str | None = "32-true") -> str | None:
+        """The ``trainer.precision`` the run trained and validated in (the CLI writes the one it used: bf16-mixed
+        on a CPU without native bf16 becomes 32-true), else ``default``. Give it to the Trainer that
+        re-validates a reopened run, and the metrics come out as logged."""
+        trainer = self.config().get("trainer")
+        value = trainer.get("precision") if isinstance(trainer, dict) else None
+        return default if value is None else str(value)
+
+    def data_spec(self) -> dict[str, Any] | None:
+        """The ``data`` entry of the run's config (class_path and init_args), or None."""
+        data = self.config().get("data")
+        return data if isinstance(data, dict) and data.get("class_path") else None
+
+    def find_checkpoint(self) -> Path:
+        """``checkpoints/last.ckpt``, else the newest ``.ckpt``; for a directory holding runs (a study's run
+        directory), the newest run's."""
+        dirs = [self.checkpoints] if self.checkpoints.is_dir() else sorted(
+            self.path.rglob(self.CHECKPOINTS), key=lambda p: p.stat().st_mtime, reverse=True)
+        for directory in dirs:
+            if (directory / self.LAST).is_file():
+                return directory / self.LAST
+            found = sorted(directory.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+            if found:
+                return found[-1]
+        raise FileNotFoundError(f"no checkpoint under {self.path} (looked for {self.CHECKPOINTS}/{self.LAST} and "
+                                f"*/{self.CHECKPOINTS}/*.ckpt)")
+
+    def remove_if_empty(self) -> bool:
+        """Remove a run directory a failed run left with nothing in it, and its parent (the run's name, e.g.
+        ``runs/2parity-mask-seed0``) if that is then empty; True if removed.
+
+        Nothing means: only ``FILES_WITHOUT_RESULTS``, event files without a logged value (hyperparameters only)
+        and empty folders (``checkpoints/``). Anything else (a scalar, an image, a checkpoint, a file of the
+        user's) keeps it.
+        """
+        if not self.path.is_dir():
+            return False
+        for path in self.path.rglob("*"):
+            if path.is_dir() or (path.parent == self.path and path.name in self.FILES_WITHOUT_RESULTS):
+                continue
+            if path.name.startswith("events.out.tfevents.") and not _has_logged_values(path):
+                continue
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.path.parent.rmdir()  # only if empty: no other version of that name
+        return True
+
+    # ------------------------------------------------------------------------------------------------ roots
+    @classmethod
+    def newest_last(cls, root: str | Path) -> Path | None:
+        """The newest ``<root>/<name>/<version>/checkpoints/last.ckpt``, or None: what ``--ckpt_path last``
+        resumes, and what a study's cell resumes an interrupted run from."""
+        found = sorted(Path(root).glob(f"*/*/{cls.CHECKPOINTS}/{cls.LAST}"), key=lambda p: p.stat().st_mtime)
+        return found[-1] if found else None
+
+    @classmethod
+    def resolve_last(cls, root: str | Path) -> tuple[Path | None, str | None]:
+        """What ``--ckpt_path last`` means under ``root``: the newest run's ``last.ckpt``, or, when that file is
+        not intact, the newest intact checkpoint beside it. Returns the path (None: no checkpoint at all) and a
+        line saying what was chosen instead, if anything was."""
+        last = cls.newest_last(root)
+        if last is None:
+            return None, None
+        if Checkpoint(last).is_intact():
+            return last, None
+        others = sorted((p for p in last.parent.glob("*.ckpt") if p != last and Checkpoint(p).is_intact()),
+                        key=lambda p: p.stat().st_mtime, reverse=True)
+        if not others:
+            return last, None  # reading it names the problem
+        return others[0], f"{last} is not a complete checkpoint (truncated?); using the newest intact one, {others[0]}"
+
+
+class StudyRunDir:
+    """One run of a study: ``<out_dir>/<task>/<init>/seed<k>/``."""
+
+    RUN = "run.json"  # what the run executes, written by the study before launching it
+    RESULT = "result.json"  # how it ended, written by the run
+    FIT_DONE = "fit.json"  # written when the fit has finished: a run stopped during its test only tests again
+    MAPS = "attention_maps.npz"  # the fit's attention maps at the start and the end of training
+    LOGS = "lightning_logs"  # the fit's run directories (version_N)
+    LOCK = ".cell.lock"  # held by the process executing the run, so nothing deletes or reruns it meanwhile
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @property
+    def run_record(self) -> Path:
+        return self.path / self.RUN
+
+    @property
+    def result(self) -> Path:
+        return self.path / self.RESULT
+
+    @property
+    def fit_done(self) -> Path:
+        return self.path / self.FIT_DONE
+
+    @property
+    def maps(self) -> Path:
+        return self.path / self.MAPS
+
+    @property
+    def lock(self) -> Path:
+        return self.path / self.LOCK
+
+    def output(self, stage: str, stream: str) -> Path:
+        """The console output of a stage (``fit`` / ``test``): ``stream`` is ``out`` or ``err``."""
+        return self.path / f"{stage}.{stream}"
+
+    def fit_dir(self) -> RunDir | None:
+        """The fit's run directory: the newest ``lightning_logs/version_*`` with a config.yaml."""
+        dirs = [p.parent for p in self.path.glob(f"{self.LOGS}/version_*/{RunDir.CONFIG}")]
+        return RunDir(max(dirs, key=lambda p: p.stat().st_mtime)) if dirs else None
+
+    def resume_checkpoint(self) -> Path | None:
+        """The newest intact ``last.ckpt`` of the fit under this directory, if any."""
+        return RunDir.newest_last(self.path)
+
+
+class Checkpoint:
+    """One checkpoint file, read at most once, safely (``torch.load(weights_only=True)``, memory-mapped)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r})"
+
+    @property
+    def run_dir(self) -> RunDir | None:
+        return RunDir.of_checkpoint(self.path)
+
+    def is_intact(self) -> bool:
+        """Whether the file is complete: torch.save writes a zip archive, whose directory is at its end."""
+        return self.path.is_file() and self.path.stat().st_size > 0 and zipfile.is_zipfile(self.path)
+
+    def check_file(self) -> None:
+        """Raise, naming the file, unless it is an intact checkpoint archive (nothing is unpickled)."""
+        path = self.path
+        if not path.exists():
+            raise FileNotFoundError(f"ckpt_path {path} does not exist; expected a .ckpt file written by a fit")
+        if path.is_dir():
+            raise CheckpointError(f"ckpt_path {path} is a directory; expected a .ckpt file (e.g. {path}/last.ckpt)")
+        if path.stat().st_size == 0:
+            raise self._not_readable("the file is empty")
+        if not zipfile.is_zipfile(path):
+            raise self._not_readable("it is not a complete zip archive, which torch.save writes")
+
+    @cached_property
+    def contents(self) -> dict[str, Any]:
+        """The checkpoint's dict (tensors and plain values only), or a CheckpointError naming the file."""
+        self.check_file()
+        path = self.path
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError:
+            try:
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception:  # noqa: BLE001 - the list is only for the message
+                unsafe = []
+            if unsafe:
+                raise CheckpointError(
+                    f"checkpoint {path} holds Python objects a safe load refuses ({', '.join(unsafe[:4])}); "
+                    "expected tensors and plain values only, as maskprior's checkpoints hold. Do not load a file "
+                    "you did not write yourself."
+                ) from None
+            raise self._not_readable("its pickled content is corrupt") from None
+        except Exception as err:  # noqa: BLE001 - any reader error: say which file
+            raise self._not_readable(_short_reason(err)) from None
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            held = f"a {type(checkpoint).__name__}"
+            if isinstance(checkpoint, dict):
+                held = f"a dict with keys {sorted(map(str, checkpoint))[:6]}"
+            raise CheckpointError(
+                f"checkpoint {path} holds {held}; expected a Lightning checkpoint (a dict with a 'state_dict')"
+            )
+        return checkpoint
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self.contents.get("hyper_parameters") or {}
+
+    @property
+    def global_step(self) -> int:
+        return int(self.contents.get("global_step") or 0)
+
+    def _not_readable(self, reason: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {self.path} is not a readable PyTorch checkpoint (truncated or not a checkpoint): {reason}"
+        )
+
+
+def _short_reason(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    first = lines[0] if lines else ""
+    if not first or "weights_only" in first:  # never pass on torch's advice to load unsafely
+        return type(err).__name__
+    return first[:200]
+
+
+def _has_logged_values(path: Path) -> bool:
+    """Whether an event file holds a logged value (a scalar, an image...): anything but hyperparameters."""
+    if path.stat().st_size == 0:
+        return False
+    try:
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                # A TensorBoardLogger with default_hp_metric (not the CLI's) logs hp_metric = -1 with its hparams.
+                if value.metadata.plugin_data.plugin_name != "hparams" and value.tag != "hp_metric":
+                    return True
+    except Exception:  # noqa: BLE001 - unreadable: keep the directory
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------- reopening a run
+def find_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint of a run (a run directory, a directory holding runs, or a checkpoint file itself)."""
+    return Path(run_dir) if Path(run_dir).is_file() else RunDir(run_dir).find_checkpoint()

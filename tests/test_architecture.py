@@ -1,0 +1,125 @@
+"""The package's shape: no import cycle anywhere (imports inside functions included), and the run plumbing under
+the method, never above it."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+# package prefix -> its folder (setuptools package-dir: the datamodules and callbacks live at the top level)
+FOLDERS = {
+    "lightning_maskprior.datamodules": ROOT / "datamodules",
+    "lightning_maskprior.callbacks": ROOT / "callbacks",
+    "lightning_maskprior": ROOT / "lightning_maskprior",
+}
+CORE = ("attention", "priors", "inits", "models", "module", "objectives", "task", "discover", "fourier")
+
+
+def module_file(name: str) -> Path | None:
+    for prefix, folder in FOLDERS.items():
+        if name == prefix or name.startswith(prefix + "."):
+            rest = name[len(prefix):].lstrip(".").split(".") if name != prefix else []
+            path = folder.joinpath(*rest)
+            if (path / "__init__.py").is_file():
+                return path / "__init__.py"
+            if path.with_suffix(".py").is_file():
+                return path.with_suffix(".py")
+            return None
+    return None
+
+
+def module_name(path: Path) -> str:
+    for prefix, folder in FOLDERS.items():
+        if path.is_relative_to(folder):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            return ".".join([prefix, *parts])
+    raise AssertionError(path)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The package modules ``path`` imports, at the top or inside a function."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for node in ast.walk(tree)  # `if TYPE_CHECKING:` imports never run
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from pkg import sub` imports the module pkg.sub where there is one, else a name of pkg
+            names = [f"{node.module}.{a.name}" if module_file(f"{node.module}.{a.name}") else node.module
+                     for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.startswith("lightning_maskprior") and module_file(n)}
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for folder in FOLDERS.values() for p in folder.rglob("*.py")]
+    return {module_name(p): {module_name(module_file(n)) for n in imports_of(p)} - {module_name(p)} for p in files}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert "lightning_maskprior.run.cli" in graph["lightning_maskprior.cli"] or len(graph) > 30
+    assert "lightning_maskprior.module" in graph["lightning_maskprior.run.cli"]
+    assert "lightning_maskprior.callbacks.probe" in graph["lightning_maskprior.callbacks.attention_maps"]
+
+
+def test_cycles_are_found():  # the check itself can fail
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_the_method_does_not_import_the_commands(core):
+    """The method's modules may use the run plumbing's leaves (checks), never a command: no CLI, study or report."""
+    graph = import_graph()
+    names = [n for n in graph if n == f"lightning_maskprior.{core}" or n.startswith(f"lightning_maskprior.{core}.")]
+    assert names
+    for name in names:
+        bad = {m for m in graph[name] if m in ("lightning_maskprior.cli", "lightning_maskprior.run.cli")
+               or m.startswith("lightning_maskprior.study")}
+        assert not bad, f"{name} imports {sorted(bad)}"
