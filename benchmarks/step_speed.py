@@ -14,8 +14,8 @@ is doing. For each thread count it reports:
    the models take one step each in turn, round after round, and the median round counts;
 3. a validation pass over the full cube (2^n points, the eval batch size), fp32 against bf16;
 4. Lightning against a raw loop: the same model, data, optimizer and precision, trained by
-   ``Trainer.fit`` with the config's callbacks (plus the CLI's RunGuard and ModelCheckpoint and a
-   TensorBoard logger) and by a plain PyTorch loop; the time per step after the first few.
+   ``Trainer.fit`` with the config's callbacks (plus the CLI's StopOnSignal, RNGStates, StopOnDivergence,
+   ModelCheckpoint and a TensorBoard logger) and by a plain PyTorch loop; the time per step after the first few.
 
 Targets, checked at the end: a bf16 step (default and mask) <= 0.5x the fp32 step of the same
 init; mask/default <= 1.10 in both dtypes at every thread count; Lightning <= 1.10x the raw loop.
@@ -245,8 +245,9 @@ def _raw_seconds(config: str, dtype: str, steps: int, skip: int) -> float:
 
 
 def lightning_overhead(config: str, dtype: str, steps: int, rounds: int, skip: int = 5) -> tuple[list, list]:
-    """Seconds per step of Trainer.fit (the config's callbacks, RunGuard, ModelCheckpoint, TensorBoard) and of
-    the raw loop in each of ``rounds`` rounds; a round runs a fresh fit and a fresh loop, in alternating order."""
+    """Seconds per step of Trainer.fit (the config's callbacks, the CLI's run callbacks, ModelCheckpoint,
+    TensorBoard) and of the raw loop in each of ``rounds`` rounds; a round runs a fresh fit and a fresh loop, in
+    alternating order."""
     fits, loops = [], []
     for round_ in range(rounds):
         if round_ % 2:

@@ -1,8 +1,19 @@
-"""Lightning callbacks that measure the prior (installed as ``lightning_maskprior.callbacks``)."""
+"""Lightning callbacks (installed as ``lightning_maskprior.callbacks``), each with one job.
+
+Measuring the prior: PriorPersistence, AttentionMaps, AttentionRecord, ExtrapolationMonitor. Writing: PredictionWriter,
+HparamsSession. Keeping a run safe to stop and resume (the CLI adds these to every fit): StopOnSignal, RNGStates,
+StopOnDivergence.
+"""
 
 from lightning_maskprior.callbacks.attention_maps import AttentionMaps
+from lightning_maskprior.callbacks.attention_record import AttentionRecord
+from lightning_maskprior.callbacks.divergence import Diverged, StopOnDivergence
 from lightning_maskprior.callbacks.extrapolation import ExtrapolationMonitor
+from lightning_maskprior.callbacks.hparams import HparamsSession
 from lightning_maskprior.callbacks.persistence import PriorPersistence
 from lightning_maskprior.callbacks.predictions import PredictionWriter
+from lightning_maskprior.callbacks.rng import RNGStates
+from lightning_maskprior.callbacks.signals import StopOnSignal
 
-__all__: list[str] = ["AttentionMaps", "ExtrapolationMonitor", "PredictionWriter", "PriorPersistence"]
+__all__: list[str] = ["AttentionMaps", "AttentionRecord", "Diverged", "ExtrapolationMonitor", "HparamsSession",
+                      "PredictionWriter", "PriorPersistence", "RNGStates", "StopOnDivergence", "StopOnSignal"]

@@ -9,8 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_maskprior.attention import attention_probabilities
-from lightning_maskprior.callbacks.persistence import _layers
+from lightning_maskprior.attention import attention_layers, attention_probabilities
 from lightning_maskprior.callbacks.probe import batch_inputs, precision_context, probe_batch, tensorboard, to_device
 
 
@@ -77,7 +76,7 @@ class AttentionMaps(Callback):
     @torch.no_grad()
     def draw(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         writer = tensorboard(trainer)
-        layers = _layers(pl_module)
+        layers = attention_layers(pl_module)
         with precision_context(pl_module):
             probs = attention_probabilities(pl_module, batch_inputs(self._probe))
         for l, (layer, p) in enumerate(zip(layers, probs, strict=True)):

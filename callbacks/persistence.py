@@ -54,11 +54,6 @@ def bilinear_drift(wq: Tensor, wk: Tensor, wq0: Tensor, wk0: Tensor) -> Tensor:
     return diff / base.clamp_min(1e-12)
 
 
-def _layers(pl_module: L.LightningModule) -> list[PriorAttention]:
-    getter = getattr(pl_module, "attention_layers", None)
-    return getter() if callable(getter) else attention_layers(pl_module)
-
-
 class PriorPersistence(Callback):
     """Measure every ``every_n_steps`` optimizer steps (and at step 0) whether the structure survives.
 
@@ -125,7 +120,7 @@ class PriorPersistence(Callback):
 
     # ---------------------------------------------------------------------------------- hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        layers = _layers(pl_module)
+        layers = attention_layers(pl_module)
         if not layers:
             raise ValueError(f"{type(pl_module).__name__} has no PriorAttention layers to measure")
         self._probe = to_device(probe_batch(trainer, self.probe_size, self.probe_split, self.probe_seed),
@@ -143,7 +138,7 @@ class PriorPersistence(Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         # This update produces step global_step + 1; keep its gradients if that step is measured.
         if (trainer.global_step + 1) % self.every_n_steps == 0:
-            self._grads = self._gradient_norms(_layers(pl_module))
+            self._grads = self._gradient_norms(attention_layers(pl_module))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
@@ -156,7 +151,7 @@ class PriorPersistence(Callback):
     @torch.no_grad()
     def measure(self, pl_module: L.LightningModule) -> dict[str, Tensor]:
         """Raw per layer/head values on the probe batch (no references, no gradients)."""
-        layers = _layers(pl_module)
+        layers = attention_layers(pl_module)
         structure = reference_structure(pl_module)
         with precision_context(pl_module):
             probs = attention_probabilities(pl_module, batch_inputs(self._probe))

@@ -61,10 +61,11 @@ def batch_inputs(batch: Any) -> Tensor:
 def precision_context(pl_module: L.LightningModule):
     """The forward context of the run's precision (bf16 autocast under ``bf16-mixed``), so that a probe costs
     what a training forward costs and sees the attention the training sees; no-op outside a trainer."""
-    trainer = getattr(pl_module, "_trainer", None)
-    if trainer is None:
+    try:
+        trainer = pl_module.trainer
+    except RuntimeError:  # "not attached to a Trainer"
         return contextlib.nullcontext()
-    return trainer.precision_plugin.forward_context()
+    return trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

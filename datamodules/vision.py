@@ -521,10 +521,11 @@ class DigitsDataModule(ImageClassificationDataModule):
     An offline, CPU-scale image task: a seeded ``test_size`` images are held out (validation = test),
     and the model trains on ``max_train_size`` of the rest. Grey-scale, one channel, no flips.
 
+    The other arguments are ImageClassificationDataModule's (defaults here: 32 px, 4 px patches, light crop
+    augmentation, no flips, RandAugment, mixup or label smoothing).
+
     Args:
         test_size: Held-out images (the rest, 1797 - test_size, is the training pool).
-        Other arguments: see ImageClassificationDataModule (defaults here: 32 px, 4 px patches, light
-        crop augmentation, no flips, RandAugment, mixup or label smoothing).
     """
 
     dataset_name = "digits"

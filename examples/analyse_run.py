@@ -12,7 +12,7 @@ import sys
 import lightning as L
 import torch
 
-from lightning_maskprior import attention_probabilities, load_run, run_precision
+from lightning_maskprior import attention_layers, attention_probabilities, load_run, run_precision
 
 
 def main(run_dir: str) -> dict[str, float]:
@@ -28,7 +28,7 @@ def main(run_dir: str) -> dict[str, float]:
     print(f"layer 0 attention (batch, heads, queries, keys) {tuple(probs[0].shape)}; head 0 of example 0:")
     print(probs[0][0, 0].numpy().round(2))
 
-    layer = module.attention_layers()[0]
+    layer = attention_layers(module)[0]
     prior = getattr(layer, "prior_logits", None)
     if prior is not None:
         print(f"prior sigmoid(M) of layer 0, head 0 (init {module.init_method}):")

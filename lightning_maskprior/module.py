@@ -17,7 +17,6 @@ from lightning.pytorch.cli import OptimizerCallable, instantiate_class
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lightning_maskprior.attention import PriorAttention, attention_layers
 from lightning_maskprior.inits import apply_init, check_init_options
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.priors import Structure, StructureSpec
@@ -186,10 +185,6 @@ class MaskPriorModule(L.LightningModule):
         found = discover(method, build_datamodule(self.hparams["datamodule"]))
         self.hparams["discovered_structure"] = {"method": method, "pairs": [list(p) for p in found.pairs]}
         return StructureSpec(pairs=[list(p) for p in found.pairs])
-
-    def attention_layers(self) -> list[PriorAttention]:
-        """The backbone's PriorAttention layers, in order (what callbacks read)."""
-        return attention_layers(self.backbone)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this before load_state_dict: a checkpoint of another config fails here, in the

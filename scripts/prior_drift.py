@@ -26,9 +26,11 @@ import torch
 
 @torch.no_grad()
 def prior_rows(module) -> list[dict]:
+    from lightning_maskprior.attention import attention_layers
+
     rows = []
     structure = module.structure
-    for l, layer in enumerate(module.attention_layers()):
+    for l, layer in enumerate(attention_layers(module)):
         m = layer.prior_logits
         if m is None:
             continue

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from conftest import CONFIGS
 from lightning_maskprior import priors
+from lightning_maskprior.attention import attention_layers
 from lightning_maskprior.cli import main
 from lightning_maskprior.datamodules.language import (
     END_OF_TEXT,
@@ -178,7 +179,7 @@ def test_relative_distance_prior_values():
 def test_mask_init_installs_the_language_prior(init, trainable):
     backbone = functools.partial(GPT, dim=16, depth=2, num_heads=2)
     module = MaskPriorModule(backbone=backbone, init=init, task=_task())  # options from the task: scale 10
-    for layer in module.attention_layers():
+    for layer in attention_layers(module):
         m = layer.prior_logits[0]
         assert layer.prior_scale == 10.0 and layer.prior_logits.requires_grad == trainable
         assert torch.equal(m, priors.causal_relative_distance(8).layer_values(0)[0])
@@ -186,7 +187,7 @@ def test_mask_init_installs_the_language_prior(init, trainable):
         assert bias[3, 3].item() == pytest.approx(F.logsigmoid(torch.tensor(0.0)).item())  # diagonal
         assert bias[3, 1].item() == pytest.approx(F.logsigmoid(torch.tensor(-20.0)).item())  # distance 2
     default = MaskPriorModule(backbone=backbone, init="default", task=_task())
-    assert all(layer.prior_logits is None for layer in default.attention_layers())
+    assert all(layer.prior_logits is None for layer in attention_layers(default))
 
 
 # ------------------------------------------------------------------------------ causality

@@ -30,13 +30,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_maskprior.callbacks import PredictionWriter
-from lightning_maskprior.callbacks.run_guard import Diverged, RunGuard
+from lightning_maskprior.callbacks.divergence import Diverged, StopOnDivergence
+from lightning_maskprior.callbacks.hparams import HparamsSession
+from lightning_maskprior.callbacks.rng import RNGStates
+from lightning_maskprior.callbacks.signals import StopOnSignal
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import allocator, checks, config_files, precision
 from lightning_maskprior.run import status as run_status
 from lightning_maskprior.run.atomic import AtomicCheckpointIO
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, StudyRunDir
-from lightning_maskprior.run.tensorboard import HparamsSession
 
 
 class MaskPriorCLI(LightningCLI):
@@ -55,6 +57,9 @@ class MaskPriorCLI(LightningCLI):
         # The datamodule's config goes into the model's hyperparameters (and checkpoints): it rebuilds the task.
         parser.link_arguments("data", "model.datamodule", apply_on="parse", compute_fn=_datamodule_spec)
 
+    # Three private LightningCLI methods are overridden, each where no public hook exists (Lightning 2.x):
+    # _parse_ckpt_path (the hparams merge has no switch), _instantiate_trainer (the one place that sees the
+    # config's callbacks and plugins before the Trainer exists) and _run_subcommand (no hook on a failed run).
     def _parse_ckpt_path(self) -> None:
         # Lightning would merge the checkpoint's hyperparameters into the config here, silently replacing options
         # given on the command line. Instead the config is the truth and the checkpoint must belong to it: same
@@ -113,7 +118,7 @@ class MaskPriorCLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         # Every fit keeps last.ckpt (and stops on SIGTERM/SIGINT with it saved), unless checkpointing is off.
-        callbacks = [*callbacks, RunGuard()]
+        callbacks = [*callbacks, StopOnSignal(), RNGStates(), StopOnDivergence()]
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
             run_dir = RunDir.of_checkpoint(self.config.predict.get("ckpt_path"))
             callbacks.append(PredictionWriter(run_dir.path if run_dir is not None else None))

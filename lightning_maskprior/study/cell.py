@@ -4,8 +4,8 @@ The study writes ``<run_dir>/run.json`` (the fit arguments, whether to test, the
 The cell fits (resuming from ``lightning_logs/version_*/checkpoints/last.ckpt`` when the directory holds
 one), tests the final checkpoint, and writes ``<run_dir>/result.json`` atomically, wherever it runs (a local
 process, a SLURM job, a Ray task), so ``maskprior study --table_only true`` builds the table from it. The fit
-also saves ``<run_dir>/attention_maps.npz`` (study/record.py: attention at the start and the end of training), and
-result.json records the precision the fit ran in.
+also saves ``<run_dir>/attention_maps.npz`` (callbacks/attention_record.py: attention at the start and the end
+of training), and result.json records the precision the fit ran in.
 Fit and test run as child processes that get the cell's SIGTERM / SIGINT (they save ``last.ckpt``) and
 die with it. The cell's exit code is the run's (lightning_maskprior.run.status): 0 ok, 3 diverged,
 143 / 130 interrupted, anything else failed.
@@ -38,9 +38,9 @@ CELL_LOCK_WAIT_SECONDS = 120  # a cell of a study that was just stopped may stil
 
 
 def record_args(path: Path) -> list[str]:
-    """CLI options appending to the fit's ``trainer.callbacks`` a study.record.AttentionRecord writing ``path``
+    """CLI options appending to the fit's ``trainer.callbacks`` an AttentionRecord writing ``path``
     (named here, not imported: the cell stays free of torch and Lightning)."""
-    spec = {"class_path": "lightning_maskprior.study.record.AttentionRecord", "init_args": {"path": str(path)}}
+    spec = {"class_path": "lightning_maskprior.callbacks.AttentionRecord", "init_args": {"path": str(path)}}
     return [f"--trainer.callbacks+={json.dumps(spec)}"]
 
 

@@ -133,13 +133,15 @@ def build_parser():
         help="Settings of launcher slurm (used when launcher is slurm; launcher_options override them): cluster "
         "(slurm, or local: submitit's LocalExecutor here), partition, gpus_per_node, cpus_per_task, mem_gb, time "
         "(minutes), array_parallelism, job_name, log_folder (default <out_dir>/submitit), additional_parameters "
-        "(extra #SBATCH options), setup (shell lines), signal_delay_s, max_num_timeout. See README.",
+        "(extra #SBATCH options), setup (shell lines), signal_delay_s, max_num_timeout. See the docs' guide "
+        "\"DDP and clusters\".",
     )
     parser.add_argument(
         "--ray", type=dict[str, Any] | None, default=None,
         help="Settings of launcher ray (used when launcher is ray): address (null: a Ray instance here; auto; "
         "ray://<head>:10001), num_cpus and num_gpus per run, max_retries (after a lost worker or node), "
-        "runtime_env. The run directories must be on a filesystem every node sees. See README.",
+        "runtime_env. The run directories must be on a filesystem every node sees. See the docs' guide "
+        "\"DDP and clusters\".",
     )
     parser.add_argument("--dry_run", type=bool, default=False,
         help="Validate the study, parse every run's full fit command (a misspelled option fails here) and print "
