@@ -2,8 +2,8 @@
 
 The states of torch, numpy and Python (and CUDA where present) go into each checkpoint and are restored when
 training resumes, so dropout and augmentation continue exactly. The loader's position is Lightning's part:
-``data.train_loader`` is a torchdata StatefulDataLoader whose sampler is seeded per epoch, and Lightning saves its
-state in the checkpoint.
+``datamodules.loaders.train_loader`` is a torchdata StatefulDataLoader whose sampler is seeded per epoch, and
+Lightning saves its state in the checkpoint.
 """
 
 from __future__ import annotations

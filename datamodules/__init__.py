@@ -1,6 +1,8 @@
-"""LightningDataModules, one per benchmark (installed as ``lightning_maskprior.datamodules``)."""
+"""LightningDataModules, one per benchmark (installed as ``lightning_maskprior.datamodules``), all subclasses of
+:class:`~lightning_maskprior.datamodules.base.MaskPriorDataModule`."""
 
 from lightning_maskprior.datamodules.arithmetic import ArithmeticDataModule
+from lightning_maskprior.datamodules.base import MaskPriorDataModule
 from lightning_maskprior.datamodules.boolean import BooleanGOTUDataModule
 from lightning_maskprior.datamodules.language import (
     LanguageModelDataModule,
@@ -23,6 +25,7 @@ __all__ = [
     "ImageClassificationDataModule",
     "ImageNet100DataModule",
     "LanguageModelDataModule",
+    "MaskPriorDataModule",
     "PydocDataModule",
     "TinyStoriesDataModule",
     "WikiText2DataModule",

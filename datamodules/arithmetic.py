@@ -10,12 +10,12 @@ backbone sees the 6 digits only and predicts all answer digits from one pooled v
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torch import Tensor
 
 from lightning_maskprior import priors
-from lightning_maskprior.data import TensorDictDataset, eval_loader, train_loader
+from lightning_maskprior.datamodules.base import MaskPriorDataModule
+from lightning_maskprior.datamodules.loaders import TensorDictDataset
 from lightning_maskprior.objectives import DigitsObjective
 from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
@@ -43,7 +43,7 @@ def answer_width(operation: str, num_digits: int) -> int:
     return num_digits + 1 if operation == "add" else 2 * num_digits
 
 
-class ArithmeticDataModule(L.LightningDataModule):
+class ArithmeticDataModule(MaskPriorDataModule):
     """Digit-tokenised addition or multiplication of every ordered pair of ``num_digits``-digit operands.
 
     All 10^(2 num_digits) pairs (10^6 for 3 digits, operands 000-999) are generated in ``setup``;
@@ -176,15 +176,6 @@ class ArithmeticDataModule(L.LightningDataModule):
         train, val, test = self.split()
         self.train_set, self.val_set, self.test_set = self.examples(train), self.examples(val), self.examples(test)
 
-    def train_dataloader(self):
-        return train_loader(self.train_set, self.batch_size, self.seed, self.num_workers)
-
-    def val_dataloader(self):
-        return eval_loader(self.val_set, self.eval_batch_size, self.num_workers)
-
-    def test_dataloader(self):
-        return eval_loader(self.test_set, self.eval_batch_size, self.num_workers)
-
-    def predict_dataloader(self):
-        """The test set (the held-out pairs): ``maskprior predict``."""
-        return self.test_dataloader()
+    def dataset(self, split: str) -> TensorDictDataset:
+        """The training pairs, the validation pairs, or the held-out test pairs (also for predict)."""
+        return {"train": self.train_set, "val": self.val_set}.get(split, self.test_set)

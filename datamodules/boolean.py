@@ -11,12 +11,12 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import lightning as L
 import torch
 from torch import Tensor
 
 from lightning_maskprior import priors
-from lightning_maskprior.data import TensorDictDataset, eval_loader, train_loader
+from lightning_maskprior.datamodules.base import MaskPriorDataModule
+from lightning_maskprior.datamodules.loaders import TensorDictDataset
 from lightning_maskprior.fourier import (
     check_cube_bits,
     coefficients_from_expansion,
@@ -112,7 +112,7 @@ def _label_values(target: Tensor) -> list[float] | None:
     return unique.tolist()
 
 
-class BooleanGOTUDataModule(L.LightningDataModule):
+class BooleanGOTUDataModule(MaskPriorDataModule):
     """Boolean extrapolation: fit on the seen region, evaluate on the full cube {-1, +1}^n.
 
     Each validation and test pass covers every point of the cube exactly once (also under DDP),
@@ -236,15 +236,7 @@ class BooleanGOTUDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self._build()
 
-    def train_dataloader(self):
-        return train_loader(self.train_set, self.batch_size, self.seed, self.num_workers)
-
-    def val_dataloader(self):
-        return eval_loader(self.cube, self.eval_batch_size, self.num_workers)
-
-    def test_dataloader(self):
-        return eval_loader(self.cube, self.eval_batch_size, self.num_workers)
-
-    def predict_dataloader(self):
-        """The whole cube (with each point's target, unseen flag and MDI value): ``maskprior predict``."""
-        return eval_loader(self.cube, self.eval_batch_size, self.num_workers)
+    def dataset(self, split: str) -> TensorDictDataset:
+        """The seen training points; for val, test and predict the whole cube (with each point's target, unseen
+        flag and MDI value)."""
+        return self.train_set if split == "train" else self.cube

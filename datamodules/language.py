@@ -17,14 +17,14 @@ import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import lightning as L
 import torch
 from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import Tensor
 
 from lightning_maskprior import priors
-from lightning_maskprior.data import TensorDictDataset, eval_loader, train_loader
+from lightning_maskprior.datamodules.base import MaskPriorDataModule
+from lightning_maskprior.datamodules.loaders import TensorDictDataset
 from lightning_maskprior.objectives import LanguageModelObjective
 from lightning_maskprior.task import TaskSpec
 
@@ -115,7 +115,7 @@ def _atomic_save(write, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ datamodules
-class LanguageModelDataModule(L.LightningDataModule):
+class LanguageModelDataModule(MaskPriorDataModule):
     """Next-token prediction on a text corpus, packed into blocks. Subclasses say where the text is.
 
     Args:
@@ -246,18 +246,9 @@ class LanguageModelDataModule(L.LightningDataModule):
                 Path(log_dir).mkdir(parents=True, exist_ok=True)
                 self.tokenizer.save(str(Path(log_dir) / "tokenizer.json"))
 
-    def train_dataloader(self):
-        return train_loader(self.datasets["train"], self.batch_size, self.seed, self.num_workers)
-
-    def val_dataloader(self):
-        return eval_loader(self.datasets["validation"], self.eval_batch_size, self.num_workers)
-
-    def test_dataloader(self):
-        return eval_loader(self.datasets["test"], self.eval_batch_size, self.num_workers)
-
-    def predict_dataloader(self):
-        """The test split (the most likely next token at each position): ``maskprior predict``."""
-        return self.test_dataloader()
+    def dataset(self, split: str) -> TensorDictDataset:
+        """The blocks of a split; predict reads the test split (the most likely next token at each position)."""
+        return self.datasets[{"val": "validation", "predict": "test"}.get(split, split)]
 
     def decode(self, ids: Tensor | list[int]) -> str:
         """Token ids back to text (for inspecting samples)."""

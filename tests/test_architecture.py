@@ -123,3 +123,46 @@ def test_the_method_does_not_import_the_commands(core):
         bad = {m for m in graph[name] if m in ("lightning_maskprior.cli", "lightning_maskprior.run.cli")
                or m.startswith("lightning_maskprior.study")}
         assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_every_benchmark_datamodule_is_a_maskprior_datamodule():
+    from lightning_maskprior import datamodules
+    from lightning_maskprior.datamodules.base import MaskPriorDataModule
+
+    for name in ("BooleanGOTUDataModule", "ArithmeticDataModule", "CIFARDataModule", "ImageNet100DataModule",
+                 "DigitsDataModule", "WikiText2DataModule", "TinyStoriesDataModule", "PydocDataModule"):
+        assert issubclass(getattr(datamodules, name), MaskPriorDataModule), name
+
+
+def test_a_datamodule_of_another_kind_is_refused_naming_the_contract():
+    import lightning as L
+
+    from lightning_maskprior.datamodules.base import MaskPriorDataModule
+    from lightning_maskprior.run.cli import _task_spec
+
+    with pytest.raises(TypeError, match="LightningDataModule is not a maskprior datamodule; expected a subclass of "
+                                        "lightning_maskprior.datamodules.MaskPriorDataModule"):
+        _task_spec(L.LightningDataModule())
+    with pytest.raises(NotImplementedError, match="Half must implement dataset"):
+        type("Half", (MaskPriorDataModule,), {})().dataset("train")
+
+
+def test_the_base_class_owns_the_loaders():
+    """A subclass gives task_spec and dataset; the base's loaders shuffle with the seed and cover each split."""
+    import torch
+
+    from lightning_maskprior.datamodules.base import MaskPriorDataModule
+    from lightning_maskprior.datamodules.loaders import TensorDictDataset
+
+    class Tiny(MaskPriorDataModule):
+        batch_size, eval_batch_size, seed = 4, 5, 0
+
+        def dataset(self, split):
+            return TensorDictDataset(inputs=torch.arange(10 if split == "train" else 7).float())
+
+    dm = Tiny()
+    train = [b["inputs"] for b in dm.train_dataloader()]
+    assert sorted(torch.cat(train).tolist()) == list(range(10)) and len(train) == 3
+    assert torch.cat(train).tolist() != list(range(10))  # shuffled
+    for loader in (dm.val_dataloader(), dm.test_dataloader(), dm.predict_dataloader()):
+        assert torch.cat([b["inputs"] for b in loader]).tolist() == list(range(7))

@@ -10,9 +10,9 @@ from torch import nn
 
 from lightning_maskprior import priors
 from lightning_maskprior.attention import PriorAttention, attention_layers
-from lightning_maskprior.data import train_loader, worker_seed
 from lightning_maskprior.datamodules.arithmetic import ArithmeticDataModule
 from lightning_maskprior.datamodules.boolean import BooleanGOTUDataModule
+from lightning_maskprior.datamodules.loaders import train_loader, worker_seed
 from lightning_maskprior.inits import apply_init, fit_query_key, mimetic_values
 from lightning_maskprior.models import TokenTransformer
 
@@ -176,7 +176,7 @@ def test_impulse_fits_the_patch_positions_without_the_cls_row():
 
 # ------------------------------------------------------------------------------------------------ DDP seeds
 def test_training_loader_workers_are_seeded_per_rank(monkeypatch):
-    from lightning_maskprior import data
+    from lightning_maskprior.datamodules import loaders as data
 
     dataset = torch.utils.data.TensorDataset(torch.arange(10))
     assert train_loader(dataset, 2, seed=3).generator.initial_seed() == 3  # one process: unchanged

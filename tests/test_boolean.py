@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_maskprior.data import ExactDistributedSampler
 from lightning_maskprior.datamodules.boolean import BooleanGOTUDataModule
+from lightning_maskprior.datamodules.loaders import ExactDistributedSampler
 from lightning_maskprior.fourier import (
     coefficients_from_expansion,
     cube_points,

@@ -34,6 +34,7 @@ from lightning_maskprior.callbacks.divergence import Diverged, StopOnDivergence
 from lightning_maskprior.callbacks.hparams import HparamsSession
 from lightning_maskprior.callbacks.rng import RNGStates
 from lightning_maskprior.callbacks.signals import StopOnSignal
+from lightning_maskprior.datamodules.base import MaskPriorDataModule
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import allocator, checks, config_files, precision
 from lightning_maskprior.run import status as run_status
@@ -329,8 +330,9 @@ def _datamodule_spec(data) -> dict[str, Any] | None:
 
 
 def _task_spec(datamodule: L.LightningDataModule):
-    if not hasattr(datamodule, "task_spec"):
-        raise TypeError(f"{type(datamodule).__name__} has no task_spec(); it is not a maskprior datamodule")
+    if not isinstance(datamodule, MaskPriorDataModule):
+        raise TypeError(f"{type(datamodule).__name__} is not a maskprior datamodule; expected a subclass of "
+                        "lightning_maskprior.datamodules.MaskPriorDataModule (it says what the task is: task_spec())")
     return datamodule.task_spec()
 
 

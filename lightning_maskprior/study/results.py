@@ -209,7 +209,7 @@ def _write_maps(path: Path, runs: list[Run]) -> None:
     arrays = {}
     for run in runs:
         if StudyRunDir(run.dir).maps.is_file():
-            with np.loadStudyRunDir(run.dir).maps as data:
+            with np.load(StudyRunDir(run.dir).maps) as data:
                 arrays.update({f"{run.task.name}/{run.init.label}/{key}": data[key] for key in data.files})
     if arrays:
         with atomic.atomic_path(path) as tmp, open(tmp, "wb") as f:
