@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from conftest import CONFIGS, ROOT, TINY_BOOLEAN
-from lightning_maskprior import paper_results
 from lightning_maskprior.cli import main
 from lightning_maskprior.inits import INIT_METHODS
 from lightning_maskprior.run.rundir import StudyRunDir
@@ -26,6 +25,7 @@ from lightning_maskprior.study import (
     StudyError,
     build_parser,
     load_study,
+    paper_results,
     run_study,
     study_lock,
     write_outputs,

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
-from lightning_maskprior import paper_results
+from lightning_maskprior.study import paper_results
 from lightning_maskprior.study.results import HALF_LIFE, SCORE, ResultSet, TaskInfo, reference_tag
 from lightning_maskprior.study.tables import method_label
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_maskprior import paper_results
 from lightning_maskprior.run import config_files
 from lightning_maskprior.run.rundir import StudyRunDir
+from lightning_maskprior.study import paper_results
 
 
 class StudyError(ValueError):

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_maskprior import paper_results
+from lightning_maskprior.study import paper_results
 from lightning_maskprior.study.results import HALF_LIFE, SCORE, InitInfo, ResultSet, RunRow, TaskInfo
 from lightning_maskprior.study.spec import Metric
 
