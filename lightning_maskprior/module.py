@@ -17,10 +17,10 @@ from lightning.pytorch.cli import OptimizerCallable, instantiate_class
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_maskprior.checkpoints import check_checkpoint_fits
 from lightning_maskprior.inits import apply_init, check_init_options
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.priors import Structure, StructureSpec
-from lightning_maskprior.run import checks
 from lightning_maskprior.task import TaskSpec
 
 
@@ -189,7 +189,7 @@ class MaskPriorModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this before load_state_dict: a checkpoint of another config fails here, in the
         # config's terms ("trained with dim 64, the config asks for 16"), not as a list of size mismatches.
-        checks.check_checkpoint_fits(checkpoint, self)
+        check_checkpoint_fits(checkpoint, self)
 
     # ------------------------------------------------------------------------------ steps
     def forward(self, inputs: Tensor) -> Tensor:

@@ -29,9 +29,7 @@ from typing import Any
 import torch
 import yaml
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or that was trained with another model than the config builds."""
+from lightning_maskprior.checkpoints import CheckpointError
 
 
 class RunDir:

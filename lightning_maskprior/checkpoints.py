@@ -1,0 +1,88 @@
+"""Whether a checkpoint fits a model: its parameter shapes read back as the options that made them, so a mismatch
+is reported in the config's terms ("trained with dim 16, the config asks for dim 32")."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that was trained with another model than the config builds."""
+
+
+# The options of our backbones, read from parameter shapes (TokenTransformer, GPT, timm's ViT under ``model.``).
+_OPTIONS: list[tuple[str, str, Any]] = [
+    ("dim", r"(^|\.)blocks\.0\.norm1\.weight$", lambda s: s[0]),
+    ("sequence length", r"(^|\.)pos_embed(ding)?$", lambda s: s[1] if len(s) == 3 else s[0]),
+    ("attention width", r"(^|\.)blocks\.0\.attn\.qkv\.weight$", lambda s: f"{s[0] // 3} (num_heads x head_dim)"),
+    ("prior shape", r"(^|\.)blocks\.0\.attn\.prior_logits$", tuple),
+    ("mlp width", r"(^|\.)blocks\.0\.mlp\.(0|fc1)\.weight$", lambda s: s[0]),
+    ("vocabulary size", r"(^|\.)token_embedding\.weight$", lambda s: s[0]),
+    ("outputs", r"(^|\.)head\.weight$", lambda s: s[0]),
+]
+
+
+def _options(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    blocks = {m.group(2) for key in shapes if (m := re.search(r"(^|\.)blocks\.(\d+)\.", key))}
+    if blocks:
+        found["depth"] = len(blocks)
+    for name, pattern, read in _OPTIONS:
+        key = next((k for k in sorted(shapes) if re.search(pattern, k)), None)
+        if key is not None and shapes[key]:
+            found[name] = read(shapes[key])
+    return found
+
+
+def checkpoint_mismatch(checkpoint: Mapping[str, Any], model: nn.Module, strict: bool = True) -> str | None:
+    """What differs between the model a checkpoint was trained with and ``model``, or None if it fits."""
+    state = checkpoint.get("state_dict") or {}
+    saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    differ = sorted(k for k in saved.keys() & ours.keys() if saved[k] != ours[k])
+    missing = sorted(ours.keys() - saved.keys()) if strict else []
+    unexpected = sorted(saved.keys() - ours.keys()) if strict else []
+    if not (differ or missing or unexpected):
+        return None
+    parts = []
+    then, now = _options(saved), _options(ours)
+    options = [name for name in then if name in now and then[name] != now[name]]
+    if options:
+        parts.append(
+            f"was trained with {_join(f'{n} {then[n]}' for n in options)}, the config asks for "
+            f"{_join(f'{n} {now[n]}' for n in options)}"
+        )
+    elif differ:
+        shown = "; ".join(f"{k} is {saved[k]} in the checkpoint, {ours[k]} in the model" for k in differ[:3])
+        parts.append(f"does not fit the model the config builds: {shown}")
+    init_then = (checkpoint.get("hyper_parameters") or {}).get("init")
+    init_now = getattr(model, "hparams", {}).get("init")
+    priors_differ = any(k.endswith("prior_logits") for k in missing + unexpected)
+    if priors_differ and init_then is not None and init_then != init_now:
+        has = "has" if any(k.endswith("prior_logits") for k in unexpected) else "has no"
+        parts.append(f"{has} a prior (trained with init {init_then!r}), the config asks for init {init_now!r}")
+    elif not options and (missing or unexpected):
+        if missing:
+            parts.append(f"lacks parameters the model has: {missing[:3]}")
+        if unexpected:
+            parts.append(f"has parameters the model does not: {unexpected[:3]}")
+    return "; ".join(parts)
+
+
+def _join(items: Iterator[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def check_checkpoint_fits(checkpoint: Mapping[str, Any], model: nn.Module, path: str | Path | None = None) -> None:
+    """Raise a CheckpointError saying, in the config's terms, why ``checkpoint`` does not fit ``model``."""
+    problem = checkpoint_mismatch(checkpoint, model, strict=getattr(model, "strict_loading", True))
+    if problem is not None:
+        name = f"checkpoint {path}" if path is not None else "the checkpoint"
+        raise CheckpointError(f"{name} {problem}")
