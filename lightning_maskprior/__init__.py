@@ -22,6 +22,9 @@ _EXPORTS = {
     "StructureSpec": "priors",
     "Objective": "task",
     "TaskSpec": "task",
+    "inject_prior": "inject",
+    "export_prior": "inject",
+    "remove_prior": "inject",
     "load_run": "run.load",
     "run_precision": "run.load",
 }

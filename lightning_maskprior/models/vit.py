@@ -1,48 +1,26 @@
-"""Vision Transformer from timm whose attention layers are PriorAttention.
+"""Vision Transformer from timm whose attention layers carry the prior.
 
-timm's ``VisionTransformer`` takes an ``attn_layer`` class; we hand it a thin PriorAttention subclass
-that accepts timm's constructor arguments, so every block, the patch embedding, the pooling and
-timm's own weight init are timm's. The task's patch-grid structure is mapped onto the model's heads
-and prefix tokens (CLS, registers) by ``structure_for_sequence``.
+The model is timm's own (any ``vit_*`` / ``deit_*`` name), built from scratch or from a local checkpoint file, and
+its attention layers are then swapped for PriorAttention with the same weights (``inject.inject_prior``), so every
+block, the patch embedding, the pooling and timm's weight init are timm's. The task's patch-grid structure is mapped
+onto the model's heads and prefix tokens (CLS, registers) by ``structure_for_sequence``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from lightning_maskprior.attention import PriorAttention
+from lightning_maskprior.inject import inject_prior
 from lightning_maskprior.models.base import Backbone
 from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
 # Set by the datamodule (TaskSpec.extras): one source of truth for the image and its patches.
 _TASK_KEYS = ("img_size", "patch_size", "in_chans", "num_classes")
-
-
-class TimmPriorAttention(PriorAttention):
-    """PriorAttention with timm's ``Attention`` constructor and forward signature.
-
-    Options PriorAttention does not implement (``qk_norm``, ``scale_norm``, no projection bias)
-    are refused rather than ignored, and so is an external attention mask.
-    """
-
-    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
-                 scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, norm_layer: Any = None, device: Any = None, dtype: Any = None,
-                 **kwargs: Any) -> None:
-        unsupported = {"qk_norm": qk_norm, "scale_norm": scale_norm, "proj_bias=False": not proj_bias}
-        refused = [k for k, v in unsupported.items() if v]
-        if refused:
-            raise ValueError(f"PriorAttention does not implement timm's {refused}; use a ViT without them")
-        super().__init__(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
-
-    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        if attn_mask is not None or is_causal:
-            raise ValueError("TimmPriorAttention takes no attn_mask / is_causal: the prior is the mask")
-        return super().forward(x)
 
 
 def map_structure_heads(structure: Structure, num_heads: int, mode: Literal["cycle", "split"]) -> Structure:
@@ -67,7 +45,8 @@ def map_structure_heads(structure: Structure, num_heads: int, mode: Literal["cyc
 
 
 class VisionTransformer(Backbone):
-    """A timm ViT (any ``vit_*`` name) with PriorAttention, sized by the task; never pretrained.
+    """A timm ViT (any ``vit_*`` or ``deit_*`` name) with PriorAttention, sized by the task; from scratch, or
+    fine-tuned from a checkpoint file on disk (``checkpoint_path``).
 
     Image size, patch size, channels and classes come from the datamodule (``task.extras``), so a
     name like ``vit_tiny_patch16_224`` also builds the 32-px CIFAR variant (``img_size=32,
@@ -91,11 +70,15 @@ class VisionTransformer(Backbone):
         model_kwargs: More arguments for ``timm.create_model`` (``drop_path_rate``, ``embed_dim``,
             ``depth``, ``num_heads``, ``global_pool``, ``class_token``, ...).
         structure_heads: ``cycle`` or ``split``: how the task's per-offset patterns go to heads.
+        checkpoint_path: Start from these weights (a timm/PyTorch state dict saved with ``torch.save``,
+            ``timm.models.save_checkpoint`` or as ``.safetensors``). timm adapts them to the task: the classifier is
+            re-initialised when the number of classes differs and the position embedding is resampled to the
+            task's grid. Nothing is downloaded.
     """
 
     def __init__(self, task: TaskSpec, model_name: str = "vit_tiny_patch16_224",
                  model_kwargs: dict[str, Any] | None = None,
-                 structure_heads: Literal["cycle", "split"] = "cycle") -> None:
+                 structure_heads: Literal["cycle", "split"] = "cycle", checkpoint_path: str | None = None) -> None:
         super().__init__()
         import timm
 
@@ -105,18 +88,21 @@ class VisionTransformer(Backbone):
         missing = [k for k in _TASK_KEYS if k not in task.extras]
         if missing:
             raise ValueError(f"task {task.name!r} is not an image task: its extras lack {missing}")
-        clash = sorted(set(kwargs) & {*_TASK_KEYS, "pretrained", "attn_layer"})
+        clash = sorted(set(kwargs) & {*_TASK_KEYS, "pretrained", "pretrained_cfg_overlay", "attn_layer"})
         if clash:
             raise ValueError(
                 f"model_kwargs may not set {clash}: image geometry and classes come from the datamodule, "
-                "weights are never pretrained here, and the attention is PriorAttention"
+                "pretrained weights come from checkpoint_path (a local file), and the attention is PriorAttention"
             )
-        self.model = timm.create_model(
-            model_name, pretrained=False, attn_layer=TimmPriorAttention,
-            **{k: task.extras[k] for k in _TASK_KEYS}, **kwargs,
-        )
+        if checkpoint_path is not None:
+            if not Path(checkpoint_path).is_file():
+                raise FileNotFoundError(f"checkpoint_path {checkpoint_path} does not exist; expected a timm or "
+                                        "PyTorch state dict file (nothing is downloaded)")
+            kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(checkpoint_path)})
+        self.model = timm.create_model(model_name, **{k: task.extras[k] for k in _TASK_KEYS}, **kwargs)
         if not hasattr(self.model, "blocks") or not hasattr(self.model, "pos_embed"):
             raise ValueError(f"{model_name!r} is not a timm VisionTransformer")
+        inject_prior(self.model)
         self.structure_heads = structure_heads
         self.num_heads = self.model.blocks[0].attn.num_heads
         self.num_prefix_tokens = int(self.model.num_prefix_tokens)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_maskprior.module import MaskPriorModule, build_datamodule
-from lightning_maskprior.run.rundir import RunDir, find_checkpoint
+from lightning_maskprior.run.rundir import Checkpoint, RunDir, find_checkpoint
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_location: Any = "cpu"):
@@ -17,10 +17,12 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
         checkpoint: Which checkpoint (default: ``last.ckpt``, else the newest one).
         map_location: Where the weights go (default: the CPU).
 
-    The datamodule is built from the run's ``config.yaml`` (the checkpoint's copy of it when there is none).
+    The datamodule is built from the run's ``config.yaml`` (the checkpoint's copy of it when there is none). A run
+    fine-tuned from a pretrained file (``backbone.init_args.checkpoint_path``) reopens without that file: the
+    trained weights are in the checkpoint.
     """
     ckpt = Path(checkpoint) if checkpoint is not None else find_checkpoint(run_dir)
-    module = MaskPriorModule.load_from_checkpoint(ckpt, map_location=map_location)
+    module = MaskPriorModule.load_from_checkpoint(ckpt, map_location=map_location, **_without_pretrained(ckpt))
     module.eval()
     owner = RunDir.of_checkpoint(ckpt)
     spec = (owner.data_spec() if owner is not None else None) or module.hparams.get("datamodule")
@@ -35,3 +37,13 @@ def run_precision(run_dir: str | Path, checkpoint: str | Path | None = None) -> 
     ckpt = Path(checkpoint) if checkpoint is not None else find_checkpoint(run_dir)
     owner = RunDir.of_checkpoint(ckpt)
     return owner.precision() if owner is not None else "32-true"
+
+
+def _without_pretrained(ckpt: Path) -> dict[str, Any]:
+    """``backbone`` with its ``checkpoint_path`` cleared when the run started from a pretrained file (the weights
+    come from ``ckpt``); no override otherwise."""
+    backbone = Checkpoint(ckpt).hparams.get("backbone")
+    init_args = backbone.get("init_args") if isinstance(backbone, dict) else None
+    if not isinstance(init_args, dict) or not init_args.get("checkpoint_path"):
+        return {}
+    return {"backbone": {**backbone, "init_args": {**init_args, "checkpoint_path": None}}}

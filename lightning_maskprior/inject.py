@@ -1,0 +1,151 @@
+"""Put a learnable prior into a model that already exists, and take it out again.
+
+    import timm
+    from lightning_maskprior import inject_prior, remove_prior, Structure
+
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False)   # or your own checkpoint
+    inject_prior(model)                                  # every attention layer can now carry a prior M
+    inject_prior(model, structure, init="mask")          # ... and M starts from ``structure``
+    priors = export_prior(model)                         # the M of each layer (None where there is none)
+    remove_prior(model)                                  # back to the model's own attention, same weights
+
+Each supported attention layer is replaced by a :class:`~lightning_maskprior.attention.PriorAttention` holding the
+same weights (``qkv``, ``proj``: timm's names), so the model's own code runs around it and, with no prior (or every
+entry open), its outputs are the untouched model's to float tolerance. The callbacks, the init methods and
+``attention.attention_layers`` then see the injected layers exactly as they see the project's own backbones.
+
+Supported: timm's ``Attention`` (ViT, DeiT, ViT with register tokens, every global-pool variant), without
+``qk_norm``, ``scale_norm``, a gate, or an output width other than its input's. Anything else that attends is
+refused, naming its class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_maskprior.attention import PriorAttention, attention_layers
+from lightning_maskprior.priors import Structure
+
+
+class InjectedAttention(PriorAttention):
+    """PriorAttention in place of a timm ``Attention`` (same weights, same call signature); ``original`` keeps
+    the options to build that layer again (``remove_prior``)."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, qkv_bias: bool, attn_drop: float,
+                 proj_drop: float) -> None:
+        super().__init__(dim, num_heads, head_dim=head_dim, qkv_bias=qkv_bias, attn_drop=attn_drop,
+                         proj_drop=proj_drop)
+        self.original = {"dim": dim, "num_heads": num_heads, "attn_head_dim": head_dim, "qkv_bias": qkv_bias,
+                         "attn_drop": attn_drop, "proj_drop": proj_drop}
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        if attn_mask is not None or is_causal:
+            raise ValueError("an injected attention layer takes no attn_mask / is_causal: the prior is its mask")
+        return super().forward(x)
+
+
+def _timm_attention() -> type[nn.Module] | None:
+    try:
+        from timm.layers import Attention
+    except ImportError:  # timm is a dependency; a trimmed install may lack it
+        return None
+    return Attention
+
+
+def _unsupported(layer: nn.Module) -> list[str]:
+    """What a timm Attention layer uses that PriorAttention does not implement."""
+    problems = []
+    if not isinstance(layer.q_norm, nn.Identity) or not isinstance(layer.k_norm, nn.Identity):
+        problems.append("qk_norm")
+    if not isinstance(getattr(layer, "norm", nn.Identity()), nn.Identity):
+        problems.append("scale_norm")
+    if getattr(layer, "gate", None) is not None:
+        problems.append("gated")
+    if layer.proj.bias is None:
+        problems.append("proj_bias=False")
+    if layer.proj.out_features != layer.qkv.in_features:
+        problems.append("dim_out != dim")
+    return problems
+
+
+def _inject_layer(layer: nn.Module, where: str) -> InjectedAttention:
+    problems = _unsupported(layer)
+    if problems:
+        raise ValueError(f"{where} ({type(layer).__module__}.{type(layer).__name__}) uses {problems}, which "
+                         "PriorAttention does not implement; expected timm's plain multi-head Attention")
+    new = InjectedAttention(layer.qkv.in_features, layer.num_heads, layer.head_dim, layer.qkv.bias is not None,
+                            float(layer.attn_drop.p), float(layer.proj_drop.p))
+    new.load_state_dict({k: v for k, v in layer.state_dict().items() if k.startswith(("qkv.", "proj."))})
+    weight = layer.qkv.weight
+    return new.to(device=weight.device, dtype=weight.dtype).train(layer.training)
+
+
+def _refuse_other_attention(model: nn.Module, supported: tuple[type, ...]) -> None:
+    """Fail naming the class of a module that attends but cannot carry a prior (so no layer is left without)."""
+    for name, module in model.named_modules():
+        cls = type(module)
+        if isinstance(module, supported) or not cls.__name__.endswith("Attention"):
+            continue
+        if any(isinstance(child, supported) for child in module.modules() if child is not module):
+            continue  # a wrapper around a supported layer
+        raise ValueError(f"{name or 'the model'} is a {cls.__module__}.{cls.__name__}, an attention module "
+                         "inject_prior cannot carry a prior in; supported: timm.layers.Attention (ViT, DeiT and "
+                         "their variants)")
+
+
+def inject_prior(model: nn.Module, structure: Structure | None = None, init: str | None = None,
+                 **init_options: Any) -> nn.Module:
+    """Make every attention layer of ``model`` a PriorAttention with the same weights; returns ``model``.
+
+    Args:
+        model: A timm model built from ``timm.layers.Attention`` (e.g. ``vit_*``, ``deit_*``), trained or not.
+        structure: The structure M starts from (``init``); its sequence must be the model's (prefix tokens
+            included: ``Structure.pad``), one pattern per head or one for all.
+        init: An init method (``mask``, ``zero``, ``fixed``, ``default``...) applied after the injection; default:
+            ``mask`` when a structure is given, else none (the layers carry no prior: the model is unchanged).
+        init_options: The init method's options (e.g. ``open_value``, ``closed_value``, ``trainable``).
+
+    Layers that are PriorAttention already are left as they are, so injecting twice is harmless.
+    """
+    attention = _timm_attention()
+    supported = (PriorAttention,) + ((attention,) if attention is not None else ())
+    _refuse_other_attention(model, supported)
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if attention is not None and isinstance(child, attention) and not isinstance(child, PriorAttention):
+                setattr(module, child_name, _inject_layer(child, f"{name}.{child_name}".lstrip(".")))
+                replaced += 1
+    if not attention_layers(model):
+        raise ValueError(f"{type(model).__name__} has no attention layer inject_prior can carry a prior in; "
+                         "supported: timm.layers.Attention (ViT, DeiT and their variants)")
+    init = init or ("mask" if structure is not None else None)
+    if init is not None:
+        from lightning_maskprior.inits import apply_init
+
+        apply_init(init, model, structure, **init_options)
+    return model
+
+
+def export_prior(model: nn.Module) -> list[Tensor | None]:
+    """The prior logits M of each attention layer, in forward order (a detached copy; None where there is none)."""
+    return [None if layer.prior_logits is None else layer.prior_logits.detach().clone()
+            for layer in attention_layers(model)]
+
+
+def remove_prior(model: nn.Module) -> nn.Module:
+    """The inverse of :func:`inject_prior`: every injected layer becomes the model's own attention layer again,
+    with the current weights (the prior is dropped; ``export_prior`` first to keep it). Returns ``model``."""
+    attention = _timm_attention()
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, InjectedAttention) and attention is not None:
+                original = attention(**child.original)
+                original.load_state_dict({k: v for k, v in child.state_dict().items()
+                                          if k.startswith(("qkv.", "proj."))})
+                weight = child.qkv.weight
+                setattr(module, child_name, original.to(device=weight.device, dtype=weight.dtype)
+                        .train(child.training))
+    return model
