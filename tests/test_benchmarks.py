@@ -92,3 +92,13 @@ def test_run_overhead_splits_a_tiny_fit_and_compares_it_with_its_steps(tmp_path)
     parts = ("whole fit", "start-up", "validation", "steps alone", "whole / steps", "extrapolated to its 90 epochs")
     for part in parts:
         assert part in proc.stdout, proc.stdout
+
+
+def test_inject_overhead_runs_tiny():
+    """benchmarks/inject_overhead.py end to end on a 2-block model: every variant timed, each ratio positive."""
+    spec = importlib.util.spec_from_file_location("inject_overhead", SCRIPT.with_name("inject_overhead.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ratios = module.main(["--depth", "2", "--img-size", "16", "--batch", "4", "--rounds", "2", "--dtypes", "fp32"])
+    assert set(ratios) == {("injected", "fp32"), ("injected + mask", "fp32")}
+    assert all(r > 0 for r in ratios.values())
