@@ -47,7 +47,61 @@ def set_attention_kernel(module: nn.Module, kernel: str) -> None:
         layer.kernel = kernel
 
 
-class PriorAttention(nn.Module):
+class PriorCarrier(nn.Module):
+    """What carries a prior ``M``: the part of an attention layer the init methods and the callbacks use.
+
+    :class:`PriorAttention` is one; a layer of a model that computes its attention itself (a Hugging Face model
+    with an injected prior, ``inject.py``) holds one beside its own weights. ``attention_layers`` lists them.
+    """
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        # The prior: None (plain attention) or a (heads or 1, N, N) tensor of logits M.
+        self.prior_logits: nn.Parameter | None = None
+        # log sigmoid(prior_scale * M); the language prior uses a scale of 10.
+        self.prior_scale = 1.0
+        # When True, forward() also stores the attention probabilities in `last_attention`.
+        self.record_attention = False
+        self.last_attention: Tensor | None = None
+
+    def _reference(self) -> Tensor:
+        """A weight of the layer: the prior goes to its device and dtype."""
+        raise NotImplementedError
+
+    def set_prior(self, logits: Tensor, trainable: bool = True, scale: float = 1.0) -> None:
+        """Install ``M`` (shape (N, N), (1, N, N) or (heads, N, N)) as this layer's prior."""
+        if logits.dim() == 2:
+            logits = logits.unsqueeze(0)
+        if logits.dim() != 3 or logits.shape[-1] != logits.shape[-2]:
+            raise ValueError(f"prior logits must have shape (heads, N, N), got {tuple(logits.shape)}")
+        if logits.shape[0] not in (1, self.num_heads):
+            raise ValueError(
+                f"prior has {logits.shape[0]} heads but the layer has {self.num_heads} "
+                "(use 1 to share one N x N prior across heads)"
+            )
+        param = self._reference()
+        data = logits.detach().to(device=param.device, dtype=param.dtype).clone()
+        self.prior_logits = nn.Parameter(data, requires_grad=trainable)
+        self.prior_scale = float(scale)
+
+    def clear_prior(self) -> None:
+        """Remove the prior: the layer becomes plain attention."""
+        self.prior_logits = None
+        self.prior_scale = 1.0
+
+    def prior_bias(self) -> Tensor | None:
+        """The additive term ``log sigmoid(scale * M)`` (heads or 1, N, N), or None."""
+        if self.prior_logits is None:
+            return None
+        return F.logsigmoid(self.prior_scale * self.prior_logits)
+
+    def query_key_weights(self) -> tuple[Tensor, Tensor]:
+        """Wq and Wk as (heads, head_dim, dim) views (the query/key inits and measurements need them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose separate query/key weights")
+
+
+class PriorAttention(PriorCarrier):
     """Self-attention ``softmax(q k^T / sqrt(d) + log sigmoid(scale * M)) v``.
 
     The parameter names (``qkv``, ``proj``) follow timm's ``Attention`` so its weights load as is.
@@ -75,13 +129,12 @@ class PriorAttention(nn.Module):
         causal: bool = False,
         kernel: str = "auto",
     ) -> None:
-        super().__init__()
+        super().__init__(num_heads)
         if head_dim is None and dim % num_heads != 0:
             raise ValueError(
                 f"dim={dim} is not divisible by num_heads={num_heads}; give head_dim explicitly"
             )
         self.dim = dim
-        self.num_heads = num_heads
         self.head_dim = head_dim or dim // num_heads
         self.inner_dim = self.num_heads * self.head_dim
         self.causal = causal
@@ -89,13 +142,6 @@ class PriorAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * self.inner_dim, bias=qkv_bias)
         self.proj = nn.Linear(self.inner_dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
-        # The prior: None (plain attention) or a (heads or 1, N, N) tensor of logits M.
-        self.prior_logits: nn.Parameter | None = None
-        # log sigmoid(prior_scale * M); the language prior uses a scale of 10.
-        self.prior_scale = 1.0
-        # When True, forward() also stores the attention probabilities in `last_attention`.
-        self.record_attention = False
-        self.last_attention: Tensor | None = None
         self.kernel = kernel
 
     @property
@@ -109,33 +155,8 @@ class PriorAttention(nn.Module):
             raise ValueError(f"attention kernel must be one of {', '.join(KERNELS)}; got {value!r}")
         self._kernel = value
 
-    # ----------------------------------------------------------------------------- the prior
-    def set_prior(self, logits: Tensor, trainable: bool = True, scale: float = 1.0) -> None:
-        """Install ``M`` (shape (N, N), (1, N, N) or (heads, N, N)) as this layer's prior."""
-        if logits.dim() == 2:
-            logits = logits.unsqueeze(0)
-        if logits.dim() != 3 or logits.shape[-1] != logits.shape[-2]:
-            raise ValueError(f"prior logits must have shape (heads, N, N), got {tuple(logits.shape)}")
-        if logits.shape[0] not in (1, self.num_heads):
-            raise ValueError(
-                f"prior has {logits.shape[0]} heads but the layer has {self.num_heads} "
-                "(use 1 to share one N x N prior across heads)"
-            )
-        param = self.qkv.weight
-        data = logits.detach().to(device=param.device, dtype=param.dtype).clone()
-        self.prior_logits = nn.Parameter(data, requires_grad=trainable)
-        self.prior_scale = float(scale)
-
-    def clear_prior(self) -> None:
-        """Remove the prior: the layer becomes plain attention."""
-        self.prior_logits = None
-        self.prior_scale = 1.0
-
-    def prior_bias(self) -> Tensor | None:
-        """The additive term ``log sigmoid(scale * M)`` (heads or 1, N, N), or None."""
-        if self.prior_logits is None:
-            return None
-        return F.logsigmoid(self.prior_scale * self.prior_logits)
+    def _reference(self) -> Tensor:
+        return self.qkv.weight
 
     # ----------------------------------------------------------------------------- weights
     def query_key_weights(self) -> tuple[Tensor, Tensor]:
@@ -234,9 +255,10 @@ def softmax_rows(logits: Tensor) -> Tensor:
     return padded.softmax(dim=-1)[..., :n]
 
 
-def attention_layers(module: nn.Module) -> list[PriorAttention]:
-    """Every PriorAttention inside ``module``, in forward order (module registration order)."""
-    return [m for m in module.modules() if isinstance(m, PriorAttention)]
+def attention_layers(module: nn.Module) -> list[PriorCarrier]:
+    """Every layer that can carry a prior inside ``module`` (PriorAttention, and the priors injected into other
+    models' attention), in forward order (module registration order)."""
+    return [m for m in module.modules() if isinstance(m, PriorCarrier)]
 
 
 @contextmanager

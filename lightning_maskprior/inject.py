@@ -14,9 +14,16 @@ same weights (``qkv``, ``proj``: timm's names), so the model's own code runs aro
 entry open), its outputs are the untouched model's to float tolerance. The callbacks, the init methods and
 ``attention.attention_layers`` then see the injected layers exactly as they see the project's own backbones.
 
-Supported: timm's ``Attention`` (ViT, DeiT, ViT with register tokens, every global-pool variant), without
-``qk_norm``, ``scale_norm``, a gate, or an output width other than its input's. Anything else that attends is
-refused, naming its class.
+Supported:
+
+- timm's ``Attention`` (ViT, DeiT, ViT with register tokens, every global-pool variant), without ``qk_norm``,
+  ``scale_norm``, a gate, or an output width other than its input's;
+- Hugging Face decoder-only language models whose attention goes through the library's attention-function registry
+  (GPT-2, and the Llama family: Llama, Qwen2, Mistral...): each attention module gets a :class:`HFPrior` (holding
+  M) and the model runs the ``maskprior`` attention function, which adds ``log sigmoid(s M)`` to the model's own
+  causal and padding mask and hands over to the library's SDPA attention. Needs ``pip install ".[hf]"``.
+
+Anything else that attends is refused, naming its class.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_maskprior.attention import PriorAttention, attention_layers
+from lightning_maskprior.attention import PriorAttention, PriorCarrier, attention_layers
 from lightning_maskprior.priors import Structure
 
 
@@ -109,6 +116,9 @@ def inject_prior(model: nn.Module, structure: Structure | None = None, init: str
 
     Layers that are PriorAttention already are left as they are, so injecting twice is harmless.
     """
+    if _is_hf_model(model):
+        _inject_hf(model)
+        return _init(model, structure, init, init_options)
     attention = _timm_attention()
     supported = (PriorAttention,) + ((attention,) if attention is not None else ())
     _refuse_other_attention(model, supported)
@@ -121,11 +131,15 @@ def inject_prior(model: nn.Module, structure: Structure | None = None, init: str
     if not attention_layers(model):
         raise ValueError(f"{type(model).__name__} has no attention layer inject_prior can carry a prior in; "
                          "supported: timm.layers.Attention (ViT, DeiT and their variants)")
+    return _init(model, structure, init, init_options)
+
+
+def _init(model: nn.Module, structure: Structure | None, init: str | None, options: dict[str, Any]) -> nn.Module:
     init = init or ("mask" if structure is not None else None)
     if init is not None:
         from lightning_maskprior.inits import apply_init
 
-        apply_init(init, model, structure, **init_options)
+        apply_init(init, model, structure, **options)
     return model
 
 
@@ -138,6 +152,8 @@ def export_prior(model: nn.Module) -> list[Tensor | None]:
 def remove_prior(model: nn.Module) -> nn.Module:
     """The inverse of :func:`inject_prior`: every injected layer becomes the model's own attention layer again,
     with the current weights (the prior is dropped; ``export_prior`` first to keep it). Returns ``model``."""
+    if _is_hf_model(model):
+        return _remove_hf(model)
     attention = _timm_attention()
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
@@ -148,4 +164,101 @@ def remove_prior(model: nn.Module) -> nn.Module:
                 weight = child.qkv.weight
                 setattr(module, child_name, original.to(device=weight.device, dtype=weight.dtype)
                         .train(child.training))
+    return model
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face
+HF_IMPLEMENTATION = "maskprior"  # the name of the attention function (and its mask) in transformers' registries
+
+
+class HFPrior(PriorCarrier):
+    """The prior of one Hugging Face attention module, held as ``module.maskprior``: M and what the callbacks read.
+    The module's own projections stay where they are; ``maskprior_attention`` adds the prior to its logits."""
+
+    def __init__(self, num_heads: int, reference: nn.Parameter) -> None:
+        super().__init__(num_heads)
+        self._weight = [reference]  # a list: not a submodule or parameter of this one
+
+    def _reference(self) -> Tensor:
+        return self._weight[0]
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                        **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention function for an injected prior: the model's mask (causal and padding, additive,
+    from ``eager_mask``) plus ``log sigmoid(s M)``, then the library's own SDPA attention."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    prior = getattr(module, "maskprior", None)
+    bias = prior.prior_bias() if isinstance(prior, HFPrior) else None
+    if bias is not None:
+        q_len, kv_len, n = query.shape[2], key.shape[2], bias.shape[-1]
+        if kv_len > n:
+            raise ValueError(f"prior is {n}x{n} but the attention sees {kv_len} tokens")
+        bias = bias[None, :, kv_len - q_len:kv_len, :kv_len].to(query.dtype)  # the query rows of a KV cache
+        attention_mask = bias if attention_mask is None else attention_mask + bias
+    if isinstance(prior, HFPrior) and prior.record_attention:
+        groups = getattr(module, "num_key_value_groups", 1)
+        keys = repeat_kv(key, groups) if groups > 1 else key
+        logits = query @ keys.transpose(-2, -1) * kwargs.get("scaling", query.shape[-1] ** -0.5)
+        if attention_mask is not None:
+            logits = logits + attention_mask
+        prior.last_attention = logits.float().softmax(-1).to(query.dtype).detach()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **{**kwargs, "is_causal": False})
+
+
+def _register_hf() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(HF_IMPLEMENTATION, maskprior_attention)
+    AttentionMaskInterface.register(HF_IMPLEMENTATION, eager_mask)  # always an additive mask the prior adds to
+
+
+def _hf_attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config")
+            and not isinstance(m, PriorCarrier)]
+
+
+def _inject_hf(model: nn.Module) -> None:
+    config = model.config
+    layers = _hf_attention_modules(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no attention module inject_prior can carry a prior in")
+    not_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", False) is not True})
+    if getattr(config, "is_encoder_decoder", False) or not_causal:
+        which = ", ".join(not_causal) or "an encoder-decoder"
+        raise ValueError(f"{type(model).__name__} is not a decoder-only causal model ({which} attends both ways); "
+                         "inject_prior supports Hugging Face causal language models (GPT-2, Llama, Qwen2, Mistral...)")
+    _register_hf()
+    previous = config._attn_implementation
+    if previous != HF_IMPLEMENTATION:
+        try:
+            model.set_attn_implementation(HF_IMPLEMENTATION)
+        except (ValueError, AttributeError) as err:
+            raise ValueError(f"{type(model).__name__} does not run its attention through transformers' attention "
+                             f"registry ({err}); inject_prior cannot add a prior to it") from None
+        model._maskprior_previous_attention = previous or "sdpa"
+    for layer in layers:
+        if not isinstance(getattr(layer, "maskprior", None), HFPrior):
+            heads = getattr(layer, "num_heads", None) or config.num_attention_heads
+            layer.maskprior = HFPrior(int(heads), next(layer.parameters()))
+
+
+def _remove_hf(model: nn.Module) -> nn.Module:
+    for layer in _hf_attention_modules(model):
+        if isinstance(getattr(layer, "maskprior", None), HFPrior):
+            del layer.maskprior
+    previous = getattr(model, "_maskprior_previous_attention", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        del model._maskprior_previous_attention
     return model

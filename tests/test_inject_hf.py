@@ -1,0 +1,121 @@
+"""inject_prior in Hugging Face causal language models (GPT-2, Llama): the model's own attention code runs, the
+outputs equal the untouched model's while the prior is neutral, causal and padding masks are kept, the gradient
+reaches M, remove_prior gives the model back, and models that attend both ways are refused."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_maskprior import attention_layers, export_prior, inject_prior, remove_prior  # noqa: E402
+from lightning_maskprior.inject import HFPrior  # noqa: E402
+from lightning_maskprior.priors import Structure  # noqa: E402
+
+N, VOCAB = 16, 50
+
+
+def gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=N, attn_pdrop=0.0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def llama():  # grouped-query attention: 4 query heads over 2 key/value heads
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=32, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=N,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def tokens(batch=2, length=12, seed=1):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def language_structure(heads=1):
+    """Token i attends to i and i-1 only (the causal mask closes the future anyway)."""
+    near = torch.eye(N, dtype=torch.bool) | torch.eye(N, dtype=torch.bool).roll(-1, 1)
+    return Structure(near.expand(1, heads, N, N).clone(), name="previous token")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_outputs_are_the_untouched_models(name):
+    model = MODELS[name]()
+    untouched = copy.deepcopy(model)
+    inject_prior(model)
+    assert model.config._attn_implementation == "maskprior"
+    layers = attention_layers(model)
+    assert len(layers) == 2 and all(isinstance(layer, HFPrior) for layer in layers)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, untouched(x).logits, atol=1e-5, rtol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours, theirs = model(x).logits.float(), untouched(x).logits.float()
+    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_padding_and_the_causal_mask_are_kept(name):
+    model = MODELS[name]()
+    untouched = copy.deepcopy(model)
+    inject_prior(model, language_structure(), init="mask")
+    x = tokens()
+    mask = torch.ones_like(x)
+    mask[0, :4] = 0  # left padding in the first sequence
+    with torch.no_grad():
+        # With every entry open (M large), the prior is neutral: padded batches match the untouched model.
+        for layer in attention_layers(model):
+            layer.prior_logits.fill_(20.0)
+        torch.testing.assert_close(model(x, attention_mask=mask).logits[0, 4:],
+                                   untouched(x, attention_mask=mask).logits[0, 4:], atol=1e-4, rtol=1e-4)
+        # A closing prior changes the outputs, but never lets a token see its future.
+        inject_prior(model, language_structure(), init="mask")
+        changed = x.clone()
+        changed[:, 8] = (x[:, 8] + 1) % VOCAB
+        before, after = model(x).logits, model(changed).logits
+        torch.testing.assert_close(before[:, :8], after[:, :8])
+        assert not torch.allclose(before[:, 8:], after[:, 8:])
+        assert not torch.allclose(before, untouched(x).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_gradient_reaches_m_and_remove_prior_gives_the_model_back(name):
+    model = MODELS[name]()
+    untouched = copy.deepcopy(model)
+    inject_prior(model, language_structure(), init="mask")
+    priors = export_prior(model)
+    assert [tuple(m.shape) for m in priors] == [(1, N, N)] * 2 and priors[0][0, 3, 2] == 10.0  # open: i -> i-1
+    model.train()
+    x = tokens()
+    model(x, labels=x).loss.backward()
+    for layer in attention_layers(model):
+        assert layer.prior_logits.grad is not None and layer.prior_logits.grad.abs().sum() > 0
+    remove_prior(model)
+    assert not attention_layers(model) and model.config._attn_implementation == untouched.config._attn_implementation
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, untouched(x).logits)
+
+
+def test_attention_is_recorded_for_the_callbacks():
+    from lightning_maskprior.attention import attention_probabilities
+
+    model = inject_prior(gpt2(), language_structure(), init="mask")
+    probs = attention_probabilities(model, tokens(length=N))
+    assert [tuple(p.shape) for p in probs] == [(2, 2, N, N)] * 2
+    torch.testing.assert_close(probs[0].sum(-1), torch.ones(2, 2, N))
+    assert probs[0][0, 0].triu(1).abs().max() == 0  # causal
+    assert probs[0][0, 0, 5, 4] > 0.4  # the open previous token takes a large share at init
+
+
+def test_a_model_that_attends_both_ways_is_refused():
+    config = transformers.BertConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                                     vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="BertModel is not a decoder-only causal model"):
+        inject_prior(transformers.BertModel(config))
