@@ -2,6 +2,7 @@
 the method, never above it."""
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     files = [p for folder in FOLDERS.values() for p in folder.rglob("*.py")]
     return {module_name(p): {module_name(module_file(n)) for n in imports_of(p)} - {module_name(p)} for p in files}

@@ -192,6 +192,7 @@ def test_slurm_options_become_the_sbatch_script(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------- SLURM (submitit's LocalExecutor)
+@pytest.mark.slow  # about 2.5 minutes: a preempted, requeued SLURM job end to end
 def test_slurm_launcher_requeues_preempted_runs_and_matches_the_local_table(tmp_path, submitit_installed, local_table):
     """Both runs are interrupted mid-training as SLURM would: one preempted (SIGTERM to every process, then
     submitit's USR2), one at its time limit (USR2 only: the job's checkpoint() stops the cell). submitit
@@ -237,6 +238,7 @@ def ray_instance():
     ray.shutdown()
 
 
+@pytest.mark.slow  # about 1.5 minutes: a lost Ray worker end to end
 def test_ray_launcher_retries_a_lost_worker_and_matches_the_local_table(tmp_path, ray_instance, local_table):
     """One Ray task per run; the worker of one run is killed mid-training (as when a node dies): Ray runs the
     task again, the new cell resumes from the last.ckpt the old one saved, and the table equals the local one."""
