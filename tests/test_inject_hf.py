@@ -119,3 +119,52 @@ def test_a_model_that_attends_both_ways_is_refused():
                                      vocab_size=VOCAB)
     with pytest.raises(ValueError, match="BertModel is not a decoder-only causal model"):
         inject_prior(transformers.BertModel(config))
+
+
+# ------------------------------------------------------------------ the backbone, through the command line
+def pydoc_args(tmp_path, *extra):
+    from conftest import CONFIGS
+
+    return ["fit", "-c", str(CONFIGS / "language/pydoc.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
+            "--model.backbone", "lightning_maskprior.models.HFCausalLM",
+            "--data.init_args.block_size", "16", "--data.init_args.vocab_size", "300",
+            "--data.init_args.batch_size", "8", "--data.init_args.cache_dir", str(tmp_path / "cache"),
+            "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
+            "--model.backbone.init_args.num_heads", "2",
+            "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.default_root_dir", str(tmp_path / "runs"), *extra]
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_maskprior_fit_trains_an_hf_decoder_with_the_language_prior(tmp_path, model_type):
+    from lightning_maskprior import load_run
+    from lightning_maskprior.cli import main
+    from lightning_maskprior.run.tensorboard import read_scalars
+
+    main(pydoc_args(tmp_path, "--model.backbone.init_args.model_type", model_type))
+    run = next((tmp_path / "runs").glob("*/version_0"))
+    assert {"val/ppl", "val/loss"} <= set(read_scalars(run))
+    module, _ = load_run(run)
+    layers = attention_layers(module)
+    assert len(layers) == 2 and all(isinstance(layer, HFPrior) for layer in layers)
+    assert layers[0].prior_scale == 10.0  # the language prior: log sigmoid(10 M), M_ij = -max(i - j, 0)
+    torch.testing.assert_close(layers[0].prior_logits.detach()[0, 5, 3], torch.tensor(-2.0), atol=0.05, rtol=0)
+
+
+def test_an_hf_decoder_fine_tunes_from_a_save_pretrained_directory(tmp_path, capsys):
+    from lightning_maskprior import load_run
+    from lightning_maskprior.cli import main
+
+    source = gpt2()  # vocabulary 50: resized to the task's 300
+    source.save_pretrained(tmp_path / "pretrained")
+    main(pydoc_args(tmp_path, "--model.backbone.init_args.pretrained_path", str(tmp_path / "pretrained")))
+    module, _ = load_run(next((tmp_path / "runs").glob("*/version_0")))
+    model = module.backbone.model
+    assert model.get_input_embeddings().num_embeddings == 300 and model.config.n_embd == 32  # the file's model
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(pydoc_args(tmp_path, "--model.backbone.init_args.pretrained_path", str(tmp_path / "nowhere")))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: pretrained_path") and err.endswith("(nothing is downloaded)")
