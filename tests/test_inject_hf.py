@@ -168,3 +168,34 @@ def test_an_hf_decoder_fine_tunes_from_a_save_pretrained_directory(tmp_path, cap
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: pretrained_path") and err.endswith("(nothing is downloaded)")
+
+
+def test_two_ddp_processes_validate_an_injected_hf_decoder_as_one_does(tmp_path):
+    """The same seeded, mask-initialised HF decoder validated on the same split by one process and by two gloo
+    processes (each half of the blocks): the logged validation loss is the same."""
+    import subprocess
+    import sys
+
+    from conftest import CONFIGS, ROOT
+    from lightning_maskprior.run.tensorboard import read_scalars
+
+    losses = {}
+    for name, extra in {"single": [], "ddp": ["-c", str(CONFIGS / "trainer/ddp.yaml")]}.items():
+        args = pydoc_args(tmp_path / name, *extra, "--trainer.limit_val_batches", "1.0")  # every block, once
+        args[0] = "validate"
+        proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[name] = read_scalars(next((tmp_path / name / "runs").glob("*/version_*")))["val/loss"][-1][1]
+    assert losses["ddp"] == pytest.approx(losses["single"], rel=1e-5)
+
+
+def test_an_injected_hf_decoder_resumes_exactly(tmp_path):
+    """Stopped by SIGTERM mid-run and resumed with --ckpt_path last: every logged scalar is the uninterrupted run's
+    (GPT-2's dropout draws from the restored RNG states)."""
+    from test_resume import _signal_at, check_resume, language
+
+    from lightning_maskprior.run import status
+
+    check_resume(tmp_path, [*language(tmp_path), "--model.backbone", "lightning_maskprior.models.HFCausalLM"],
+                 _signal_at(4), status.EXIT_SIGTERM)
