@@ -199,3 +199,16 @@ def test_an_injected_hf_decoder_resumes_exactly(tmp_path):
 
     check_resume(tmp_path, [*language(tmp_path), "--model.backbone", "lightning_maskprior.models.HFCausalLM"],
                  _signal_at(4), status.EXIT_SIGTERM)
+
+
+def test_the_overhead_benchmark_runs_on_an_hf_decoder():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("inject_overhead", ROOT / "benchmarks" / "inject_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ratios = module.main(["--family", "hf", "--depth", "1", "--block", "16", "--batch", "2", "--rounds", "2",
+                          "--dtypes", "fp32"])
+    assert set(ratios) == {("injected", "fp32"), ("injected + mask", "fp32")} and all(r > 0 for r in ratios.values())
