@@ -84,9 +84,14 @@ def _inject_layer(layer: nn.Module, where: str) -> InjectedAttention:
                          "PriorAttention does not implement; expected timm's plain multi-head Attention")
     new = InjectedAttention(layer.qkv.in_features, layer.num_heads, layer.head_dim, layer.qkv.bias is not None,
                             float(layer.attn_drop.p), float(layer.proj_drop.p))
-    new.load_state_dict({k: v for k, v in layer.state_dict().items() if k.startswith(("qkv.", "proj."))})
-    weight = layer.qkv.weight
-    return new.to(device=weight.device, dtype=weight.dtype).train(layer.training)
+    return _with_weights_of(layer, new)
+
+
+def _with_weights_of(source: nn.Module, target: nn.Module) -> nn.Module:
+    """``target`` holding ``source``'s ``qkv`` and ``proj`` weights, on its device and dtype, in its mode."""
+    target.load_state_dict({k: v for k, v in source.state_dict().items() if k.startswith(("qkv.", "proj."))})
+    weight = source.qkv.weight
+    return target.to(device=weight.device, dtype=weight.dtype).train(source.training)
 
 
 def _refuse_other_attention(model: nn.Module, supported: tuple[type, ...]) -> None:
@@ -122,12 +127,10 @@ def inject_prior(model: nn.Module, structure: Structure | None = None, init: str
     attention = _timm_attention()
     supported = (PriorAttention,) + ((attention,) if attention is not None else ())
     _refuse_other_attention(model, supported)
-    replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if attention is not None and isinstance(child, attention) and not isinstance(child, PriorAttention):
                 setattr(module, child_name, _inject_layer(child, f"{name}.{child_name}".lstrip(".")))
-                replaced += 1
     if not attention_layers(model):
         raise ValueError(f"{type(model).__name__} has no attention layer inject_prior can carry a prior in; "
                          "supported: timm.layers.Attention (ViT, DeiT and their variants)")
@@ -158,12 +161,7 @@ def remove_prior(model: nn.Module) -> nn.Module:
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, InjectedAttention) and attention is not None:
-                original = attention(**child.original)
-                original.load_state_dict({k: v for k, v in child.state_dict().items()
-                                          if k.startswith(("qkv.", "proj."))})
-                weight = child.qkv.weight
-                setattr(module, child_name, original.to(device=weight.device, dtype=weight.dtype)
-                        .train(child.training))
+                setattr(module, child_name, _with_weights_of(child, attention(**child.original)))
     return model
 
 
