@@ -206,7 +206,8 @@ def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if isinstance(prior, HFPrior) and prior.record_attention:
         groups = getattr(module, "num_key_value_groups", 1)
         keys = repeat_kv(key, groups) if groups > 1 else key
-        logits = query @ keys.transpose(-2, -1) * kwargs.get("scaling", query.shape[-1] ** -0.5)
+        scaling = kwargs.get("scaling")  # None: SDPA's default, 1 / sqrt(head width)
+        logits = query @ keys.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
         if attention_mask is not None:
             logits = logits + attention_mask
         prior.last_attention = logits.float().softmax(-1).to(query.dtype).detach()

@@ -122,18 +122,16 @@ def test_a_model_that_attends_both_ways_is_refused():
 
 
 # ------------------------------------------------------------------ the backbone, through the command line
-def pydoc_args(tmp_path, *extra):
-    from conftest import CONFIGS
+def hf_language(tmp_path):
+    """The tiny pydoc run of the resume tests, with an HF decoder of two blocks as the backbone."""
+    from test_resume import language
 
-    return ["fit", "-c", str(CONFIGS / "language/pydoc.yaml"), "-c", str(CONFIGS / "init/mask.yaml"),
-            "--model.backbone", "lightning_maskprior.models.HFCausalLM",
-            "--data.init_args.block_size", "16", "--data.init_args.vocab_size", "300",
-            "--data.init_args.batch_size", "8", "--data.init_args.cache_dir", str(tmp_path / "cache"),
-            "--model.backbone.init_args.dim", "16", "--model.backbone.init_args.depth", "2",
-            "--model.backbone.init_args.num_heads", "2",
-            "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-            "--trainer.default_root_dir", str(tmp_path / "runs"), *extra]
+    return [*language(tmp_path), "--model.backbone", "lightning_maskprior.models.HFCausalLM",
+            "--model.backbone.init_args.depth", "2"]
+
+
+def pydoc_args(tmp_path, *extra):
+    return ["fit", *hf_language(tmp_path), "--trainer.default_root_dir", str(tmp_path / "runs"), *extra]
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama"])
@@ -193,12 +191,11 @@ def test_two_ddp_processes_validate_an_injected_hf_decoder_as_one_does(tmp_path)
 def test_an_injected_hf_decoder_resumes_exactly(tmp_path):
     """Stopped by SIGTERM mid-run and resumed with --ckpt_path last: every logged scalar is the uninterrupted run's
     (GPT-2's dropout draws from the restored RNG states)."""
-    from test_resume import _signal_at, check_resume, language
+    from test_resume import _signal_at, check_resume
 
     from lightning_maskprior.run import status
 
-    check_resume(tmp_path, [*language(tmp_path), "--model.backbone", "lightning_maskprior.models.HFCausalLM"],
-                 _signal_at(4), status.EXIT_SIGTERM)
+    check_resume(tmp_path, hf_language(tmp_path), _signal_at(4), status.EXIT_SIGTERM)
 
 
 def test_the_overhead_benchmark_runs_on_an_hf_decoder():
