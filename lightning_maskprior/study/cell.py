@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_maskprior.run.rundir import RunDir, StudyRunDir, find_checkpoint
+from lightning_maskprior.run.rundir import RunDir, StudyRunDir
 from lightning_maskprior.run.status import status_from_returncode
 from lightning_maskprior.study.launchers import start_child, write_json
 
@@ -72,11 +72,6 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def resume_checkpoint(run_dir: Path) -> Path | None:
-    """The ``last.ckpt`` an interrupted fit left in ``run_dir`` (the newest, if several), or None."""
-    return StudyRunDir(run_dir).resume_checkpoint()
-
-
 def prepare_run(run: Run, threads: int | None = None) -> str:
     """Make ``run.dir`` ready for its cell and write its ``run.json``; say what was there.
 
@@ -91,7 +86,8 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
             with cell_lock(run.dir):  # a cell still saving its checkpoint finishes first
                 previous, result = _read_json(run.run_path), run.load_result()
                 unfinished = result is None or (result.get("key") == key and result.get("status") == "interrupted")
-                resumable = resume_checkpoint(run.dir) is not None or StudyRunDir(run.dir).fit_done.is_file()
+                files = StudyRunDir(run.dir)
+                resumable = files.resume_checkpoint() is not None or files.fit_done.is_file()
                 if previous is not None and previous.get("key") == key and unfinished and resumable:
                     state = "resume"
                 else:
@@ -107,11 +103,6 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
                               "test": run.study.test, "threads": threads})
     return state
 
-
-def _fit_dir(run_dir: Path) -> Path | None:
-    """The fit's log directory: the newest version_* under lightning_logs with a config.yaml."""
-    found = StudyRunDir(run_dir).fit_dir()
-    return found.path if found is not None else None
 
 
 def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
@@ -221,39 +212,39 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
 
     fit_record = _read_json(files.fit_done)
     if fit_record is not None and fit_record.get("key") == spec["key"]:  # fitted before; the test was stopped
-        rc, stage, fit_dir = 0, "fit", Path(fit_record["log_dir"])
+        rc, stage, fit_dir = 0, "fit", RunDir(fit_record["log_dir"])
         result["commands"].append(fit_record["command"])
     else:
         fit_args = [*spec["fit"], *record_args(files.maps)]  # attention maps at the start and the end
-        ckpt = resume_checkpoint(run_dir)
+        ckpt = files.resume_checkpoint()
         if ckpt is not None:
             fit_args += ["--ckpt_path", str(ckpt)]
             result["resumed_from"] = str(ckpt)
         result["commands"].append(format_command(fit_args))
         rc = _run_child(fit_args, files, "fit", spec.get("threads"), children, append=ckpt is not None)
-        stage, fit_dir = "fit", (ckpt.parent.parent if ckpt is not None else _fit_dir(run_dir))
+        stage, fit_dir = "fit", (RunDir.of_checkpoint(ckpt) if ckpt is not None else files.fit_dir())
         rc = _unless_signalled(rc, children)
         if rc == 0 and fit_dir is not None:  # only a fit that ran to its end is not redone
-            write_json(files.fit_done, {"key": spec["key"], "log_dir": str(fit_dir),
-                                            "command": result["commands"][-1]})
+            write_json(files.fit_done, {"key": spec["key"], "log_dir": str(fit_dir.path),
+                                        "command": result["commands"][-1]})
     error = tail(files.output("fit", "err")) if rc != 0 else ""
     if rc == 0 and spec.get("test", True):
         stage = "test"
         try:
-            ckpt = find_checkpoint(fit_dir) if fit_dir is not None else None
+            ckpt = fit_dir.find_checkpoint() if fit_dir is not None else None
         except FileNotFoundError:
             ckpt = None
         if ckpt is None:
             rc, error = 1, f"no checkpoint found under {run_dir} to test"
         else:
-            test_args = ["test", "-c", str(RunDir(fit_dir).config_path), "--ckpt_path", str(ckpt),
+            test_args = ["test", "-c", str(fit_dir.config_path), "--ckpt_path", str(ckpt),
                          "--trainer.default_root_dir", str(run_dir)]
             result["commands"].append(format_command(test_args))
             rc = _run_child(test_args, files, "test", spec.get("threads"), children, append=False)
             rc = _unless_signalled(rc, children)
             error = tail(files.output("test", "err")) if rc != 0 else ""
     status = status_from_returncode(rc)
-    result["precision"] = RunDir(fit_dir).precision(default=None) if fit_dir is not None else None
+    result["precision"] = fit_dir.precision(default=None) if fit_dir is not None else None
     end = time.time()
     result.update(status=status, stage=stage, returncode=rc, ended_at=end,
                   seconds=round(earlier.get("seconds", 0.0) + end - start, 1))
