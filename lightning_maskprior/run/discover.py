@@ -15,7 +15,6 @@ from typing import Any
 import lightning as L
 
 from lightning_maskprior import discover as estimators
-from lightning_maskprior.discover import ESTIMATORS, discover
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import atomic, config_files
 from lightning_maskprior.run.cli import MaskPriorCLI
@@ -28,7 +27,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("-c", "--config", action="append", required=True, metavar="CONFIG",
                         help="A task config (repeatable, as for maskprior fit); its datamodule's training split is "
                         "read. Other --data.* options after it override the config, as for fit.")
-    parser.add_argument("--method", default="fourier", help=f"The estimator: one of {sorted(ESTIMATORS)}.")
+    parser.add_argument("--method", default="fourier", help=f"The estimator: one of {sorted(estimators.ESTIMATORS)}.")
     parser.add_argument("--out", type=Path, default=None,
                         help="Write the structure YAML here (default: print it); give it to --model.structure.")
     parser.add_argument("--tolerance", type=float, default=1e-6,
@@ -36,7 +35,7 @@ def main(argv: list[str]) -> None:
     args, overrides = parser.parse_known_args(argv)
     try:
         datamodule = _datamodule(args.config, overrides)
-        found = discover(args.method, datamodule, tolerance=args.tolerance)
+        found = estimators.discover(args.method, datamodule, tolerance=args.tolerance)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
