@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_maskprior.attention import PriorAttention, attention_layers, attention_probabilities
+from lightning_maskprior.attention import PriorCarrier, attention_layers, attention_probabilities
 from lightning_maskprior.callbacks.probe import (
     batch_inputs,
     log_scalars,
@@ -105,7 +105,7 @@ class PriorPersistence(Callback):
         # State kept in checkpoints.
         self.reference: dict[str, float] | None = None
         self.initial_prior: list[Tensor | None] | None = None
-        self.initial_qk: list[tuple[Tensor, Tensor]] | None = None
+        self.initial_qk: list[tuple[Tensor, Tensor] | None] | None = None
         self.history: list[tuple[int, float]] = []
         self.half_life: int | None = None
         self.last_step = -1
@@ -122,16 +122,17 @@ class PriorPersistence(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         layers = attention_layers(pl_module)
         if not layers:
-            raise ValueError(f"{type(pl_module).__name__} has no PriorAttention layers to measure")
+            raise ValueError(f"{type(pl_module).__name__} has no attention layer that carries a prior to measure")
         self._probe = to_device(probe_batch(trainer, self.probe_size, self.probe_split, self.probe_seed),
                                 pl_module.device)
         if self.initial_qk is None:
             self.initial_prior = [None if a.prior_logits is None else a.prior_logits.detach().clone()
                                   for a in layers]
-            self.initial_qk = [tuple(w.detach().clone() for w in a.query_key_weights()) for a in layers]
+            self.initial_qk = [tuple(w.detach().clone() for w in a.query_key_weights())
+                               if a.has_query_key_weights else None for a in layers]
         device = pl_module.device
         self.initial_prior = [None if m is None else m.to(device) for m in self.initial_prior]
-        self.initial_qk = [(q.to(device), k.to(device)) for q, k in self.initial_qk]
+        self.initial_qk = [None if qk is None else (qk[0].to(device), qk[1].to(device)) for qk in self.initial_qk]
         if self.last_step < 0 and trainer.global_step == 0:
             self._measure(trainer, pl_module, 0)
 
@@ -176,19 +177,19 @@ class PriorPersistence(Callback):
                 if initial is not None and initial.shape == layer.prior_logits.shape:
                     drift = (layer.prior_logits - initial).double().pow(2).mean(dim=(-2, -1)).sqrt()
                     _put(values, "prior_drift", l, drift)
-            wq, wk = layer.query_key_weights()
-            _put(values, "qk_drift", l, bilinear_drift(wq, wk, *self.initial_qk[l]))
+            if self.initial_qk[l] is not None:  # a layer with grouped-query attention has no Wk per head
+                wq, wk = layer.query_key_weights()
+                _put(values, "qk_drift", l, bilinear_drift(wq, wk, *self.initial_qk[l]))
         return values
 
     @staticmethod
-    def _gradient_norms(layers: list[PriorAttention]) -> dict[str, Tensor]:
+    def _gradient_norms(layers: list[PriorCarrier]) -> dict[str, Tensor]:
         values: dict[str, Tensor] = {}
         for l, layer in enumerate(layers):
-            grad = layer.qkv.weight.grad
-            if grad is not None:
-                heads, inner = (layer.num_heads, layer.head_dim, layer.dim), layer.inner_dim
-                _put(values, "grad_q", l, grad[:inner].reshape(heads).flatten(1).norm(dim=1))
-                _put(values, "grad_k", l, grad[inner: 2 * inner].reshape(heads).flatten(1).norm(dim=1))
+            grad_q, grad_k = layer.query_key_weights(grad=True) if layer.has_query_key_weights else (None, None)
+            if grad_q is not None and grad_k is not None:
+                _put(values, "grad_q", l, grad_q.flatten(1).norm(dim=1))
+                _put(values, "grad_k", l, grad_k.flatten(1).norm(dim=1))
             prior = layer.prior_logits
             if prior is not None and prior.grad is not None:
                 _put(values, "grad_prior", l, prior.grad.flatten(1).norm(dim=1))
@@ -233,7 +234,7 @@ class PriorPersistence(Callback):
             "reference": self.reference,
             "initial_prior": cpu if self.initial_prior is not None else None,
             "initial_qk": None if self.initial_qk is None else
-            [(q.detach().cpu(), k.detach().cpu()) for q, k in self.initial_qk],
+            [None if qk is None else (qk[0].detach().cpu(), qk[1].detach().cpu()) for qk in self.initial_qk],
             "history": list(self.history),
             "half_life": self.half_life,
             "last_step": self.last_step,

@@ -96,9 +96,30 @@ class PriorCarrier(nn.Module):
             return None
         return F.logsigmoid(self.prior_scale * self.prior_logits)
 
-    def query_key_weights(self) -> tuple[Tensor, Tensor]:
-        """Wq and Wk as (heads, head_dim, dim) views (the query/key inits and measurements need them)."""
+    # The weights the structure-free and query/key inits write and the callbacks measure, as views into the
+    # layer's own parameters (writing into a view writes the layer). ``dim``, ``head_dim`` and ``inner_dim``
+    # (``num_heads * head_dim``) size them.
+    def attention_module(self) -> nn.Module:
+        """The module whose forward receives the attention's input (first argument or ``hidden_states``)."""
+        return self
+
+    @property
+    def has_query_key_weights(self) -> bool:
+        """Whether :meth:`query_key_weights` can give a Wq and a Wk per head (the callbacks measure them if so)."""
+        return False
+
+    def query_key_weights(self, grad: bool = False) -> tuple[Tensor, Tensor]:
+        """Wq and Wk as (heads, head_dim, dim) views, in (out, in) layout; with ``grad`` their gradients' views
+        (None where no gradient has been computed)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose separate query/key weights")
+
+    def value_output_weights(self) -> tuple[Tensor, Tensor]:
+        """Wv (inner_dim, dim) and Wproj (dim, inner_dim) as views, in (out, in) layout."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its value/output weights")
+
+    def query_key_biases(self) -> tuple[Tensor, ...]:
+        """Views of the query and key biases (none where the projections have no bias)."""
+        return ()
 
 
 class PriorAttention(PriorCarrier):
@@ -159,12 +180,23 @@ class PriorAttention(PriorCarrier):
         return self.qkv.weight
 
     # ----------------------------------------------------------------------------- weights
-    def query_key_weights(self) -> tuple[Tensor, Tensor]:
-        """Wq and Wk as (heads, head_dim, dim) views of the fused projection."""
-        w, inner = self.qkv.weight, self.inner_dim
+    has_query_key_weights = True
+
+    def query_key_weights(self, grad: bool = False) -> tuple[Tensor, Tensor]:
+        """Wq and Wk as (heads, head_dim, dim) views of the fused projection (or of its gradient)."""
+        w, inner = (self.qkv.weight.grad if grad else self.qkv.weight), self.inner_dim
+        if w is None:
+            return None, None
         wq = w[:inner].view(self.num_heads, self.head_dim, self.dim)
         wk = w[inner : 2 * inner].view(self.num_heads, self.head_dim, self.dim)
         return wq, wk
+
+    def value_output_weights(self) -> tuple[Tensor, Tensor]:
+        """Wv: the value rows of the fused projection; Wproj: the output projection."""
+        return self.qkv.weight[2 * self.inner_dim :], self.proj.weight
+
+    def query_key_biases(self) -> tuple[Tensor, ...]:
+        return () if self.qkv.bias is None else (self.qkv.bias[: 2 * self.inner_dim],)
 
     # ----------------------------------------------------------------------------- forward
     def _attn_bias(self, seq_len: int, dtype: torch.dtype) -> Tensor | None:

@@ -1,6 +1,6 @@
 """Where a structure goes: one function per init method, in one registry.
 
-An init method takes the backbone (any module holding PriorAttention layers), the task's Structure
+An init method takes the backbone (any module holding PriorAttention layers, or injected ones), the task's Structure
 (or None) and its own keyword options, and changes the backbone in place. ``mask``, ``zero`` and
 ``fixed`` put the structure into the additive prior; the query/key baselines (``qk_svd``,
 ``qk_opt``, ``impulse``) put it into Wq/Wk; ``mimetic`` needs no structure.
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor, nn
 
-from lightning_maskprior.attention import PriorAttention, attention_layers, attention_probabilities
+from lightning_maskprior.attention import PriorCarrier, attention_layers, attention_probabilities
 from lightning_maskprior.priors import IMPULSE_OFFSETS, Structure, check_open_closed, grid_impulse
 
 InitMethod = Callable[..., None]
@@ -87,7 +87,8 @@ def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **op
     fn = check_init_options(name, options)
     layers = attention_layers(backbone)
     if not layers:
-        raise ValueError(f"{type(backbone).__name__} has no PriorAttention layers to initialise")
+        raise ValueError(f"{type(backbone).__name__} has no attention layer that carries a prior "
+                         "(PriorAttention, or one that inject_prior added)")
     if getattr(fn, "needs_structure", False) and structure is None:
         raise ValueError(f"init method {name!r} needs a structure, but the task gave none")
     fn(backbone, structure, **options)
@@ -128,7 +129,7 @@ def _check_option_type(init: str, key: str, value, param: inspect.Parameter, hin
         raise ValueError(f"init method {init!r}: init_options.{key} must be a finite number, got {value!r}")
 
 
-def _structure_layers(backbone: nn.Module, structure: Structure) -> list[tuple[PriorAttention, torch.Tensor]]:
+def _structure_layers(backbone: nn.Module, structure: Structure) -> list[tuple[PriorCarrier, torch.Tensor]]:
     """Pair each attention layer with its (heads, N, N) pattern, checking the sizes match."""
     layers = attention_layers(backbone)
     structure.for_model(len(layers), layers[0].num_heads)
@@ -250,16 +251,16 @@ def _normed_positions(backbone: nn.Module, init: str) -> list[Tensor]:
         return [norm(positions).float() for norm in norms]
 
 
-def _set_query_key(layer: PriorAttention, wq: Tensor, wk: Tensor) -> None:
-    """Write per-head (heads, head_dim, dim) Wq and Wk into the fused projection (zero-padded)."""
+def _set_query_key(layer: PriorCarrier, wq: Tensor, wk: Tensor) -> None:
+    """Write per-head (heads, head_dim, dim) Wq and Wk into the layer's projections (zero-padded); zero their biases."""
     q, k = layer.query_key_weights()
     with torch.no_grad():
         for target, value in ((q, wq), (k, wk)):
             target.zero_()
             rows, cols = value.shape[-2], value.shape[-1]
             target[:, :rows, :cols] = value.to(target.dtype)
-        if layer.qkv.bias is not None:
-            layer.qkv.bias[: 2 * layer.inner_dim].zero_()
+        for bias in layer.query_key_biases():
+            bias.zero_()
 
 
 def _factor(a: Tensor, rank: int) -> tuple[Tensor, Tensor]:
@@ -368,9 +369,13 @@ def fit_query_key(inputs: Tensor, target: Tensor, head_dim: int, steps: int = 20
 
 def _attention_inputs(backbone: nn.Module, inputs, index: int) -> Tensor:
     """What attention layer ``index`` receives (its normalised input) when the backbone runs ``inputs``."""
-    layer = attention_layers(backbone)[index]
+    module = attention_layers(backbone)[index].attention_module()
     captured = []
-    handle = layer.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.append((args[0] if args else kwargs["hidden_states"]).detach())
+
+    handle = module.register_forward_pre_hook(capture, with_kwargs=True)
     was_training = backbone.training
     backbone.eval()
     try:
@@ -461,12 +466,13 @@ def mimetic_values(dim: int, inner_dim: int, alpha: float, beta: float) -> tuple
     return spread @ right, left @ spread.transpose(0, 1)
 
 
-def _mimetic_value(layer: PriorAttention, alpha: float, beta: float) -> None:
+def _mimetic_value(layer: PriorCarrier, alpha: float, beta: float) -> None:
     """Wproj Wv ~ alpha Z - beta I in one attention layer (:func:`mimetic_values`)."""
     wv, wproj = mimetic_values(layer.dim, layer.inner_dim, alpha, beta)
+    value, output = layer.value_output_weights()
     with torch.no_grad():
-        layer.qkv.weight[2 * layer.inner_dim :] = wv
-        layer.proj.weight.copy_(wproj)
+        value.copy_(wv)
+        output.copy_(wproj)
 
 
 @register_init("mimetic")

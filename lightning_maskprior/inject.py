@@ -171,14 +171,68 @@ HF_IMPLEMENTATION = "maskprior"  # the name of the attention function (and its m
 
 class HFPrior(PriorCarrier):
     """The prior of one Hugging Face attention module, held as ``module.maskprior``: M and what the callbacks read.
-    The module's own projections stay where they are; ``maskprior_attention`` adds the prior to its logits."""
+    The module's own projections stay where they are; ``maskprior_attention`` adds the prior to its logits.
 
-    def __init__(self, num_heads: int, reference: nn.Parameter) -> None:
+    Its query/key and value/output weights are views into the module's own projections, so the structure-free and
+    query/key inits (``mimetic``, ``qk_svd``, ``qk_opt``) write the model itself: GPT-2's fused ``c_attn`` /
+    ``c_proj`` (``Conv1D``, stored (in, out)) and the Llama family's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
+    Grouped-query attention (fewer key/value heads than query heads) has no per-head Wk to write; those inits
+    refuse it.
+    """
+
+    def __init__(self, module: nn.Module, num_heads: int, head_dim: int, dim: int) -> None:
         super().__init__(num_heads)
-        self._weight = [reference]  # a list: not a submodule or parameter of this one
+        self._module = [module]  # a list: the attention module owns this one, not the other way round
+        self.dim, self.head_dim, self.inner_dim = dim, head_dim, num_heads * head_dim
 
     def _reference(self) -> Tensor:
-        return self._weight[0]
+        return next(self._module[0].parameters())
+
+    def attention_module(self) -> nn.Module:
+        return self._module[0]
+
+    def _projections(self, grad: bool = False) -> tuple[Tensor | None, ...]:
+        """Wq, Wk, Wv (inner, dim), Wproj (dim, inner) in (out, in) layout, and the query and key biases (None where
+        absent); with ``grad`` the same views of the parameters' gradients (None where there is none yet)."""
+        def read(param: Tensor | None) -> Tensor | None:
+            return param.grad if grad and param is not None else param
+
+        module, inner = self._module[0], self.inner_dim
+        if hasattr(module, "c_attn") and hasattr(module, "c_proj"):  # GPT-2: Conv1D weights are (in, out)
+            w, b, o = read(module.c_attn.weight), read(module.c_attn.bias), read(module.c_proj.weight)
+            q, k, v = (None, None, None) if w is None else (w.T[:inner], w.T[inner : 2 * inner], w.T[2 * inner :])
+            qb, kb = (None, None) if b is None else (b[:inner], b[inner : 2 * inner])
+            return q, k, v, None if o is None else o.T, qb, kb
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+            raise ValueError(f"{type(module).__name__} has neither GPT-2's c_attn/c_proj nor q_proj/k_proj/v_proj/"
+                             "o_proj: its query/key weights cannot be reached")
+        q, k, v, o = (getattr(module, n) for n in names)
+        if k.out_features != inner:
+            raise ValueError(f"{type(module).__name__} uses grouped-query attention ({k.out_features // self.head_dim} "
+                             f"key/value heads for {self.num_heads} query heads): there is no Wk per query head to "
+                             "write or measure; set num_key_value_heads to num_attention_heads")
+        return read(q.weight), read(k.weight), read(v.weight), read(o.weight), read(q.bias), read(k.bias)
+
+    @property
+    def has_query_key_weights(self) -> bool:
+        module = self._module[0]
+        if hasattr(module, "c_attn") and hasattr(module, "c_proj"):
+            return True
+        k = getattr(module, "k_proj", None)
+        return isinstance(k, nn.Linear) and k.out_features == self.inner_dim
+
+    def query_key_weights(self, grad: bool = False) -> tuple[Tensor, Tensor]:
+        q, k = self._projections(grad)[:2]
+        if q is None or k is None:
+            return None, None
+        return q.unflatten(0, (self.num_heads, self.head_dim)), k.unflatten(0, (self.num_heads, self.head_dim))
+
+    def value_output_weights(self) -> tuple[Tensor, Tensor]:
+        return self._projections()[2:4]
+
+    def query_key_biases(self) -> tuple[Tensor, ...]:
+        return tuple(b for b in self._projections()[4:] if b is not None)
 
 
 def _is_hf_model(model: nn.Module) -> bool:
@@ -248,8 +302,9 @@ def _inject_hf(model: nn.Module) -> None:
         model._maskprior_previous_attention = previous or "sdpa"
     for layer in layers:
         if not isinstance(getattr(layer, "maskprior", None), HFPrior):
-            heads = getattr(layer, "num_heads", None) or config.num_attention_heads
-            layer.maskprior = HFPrior(int(heads), next(layer.parameters()))
+            heads = int(getattr(layer, "num_heads", None) or config.num_attention_heads)
+            head_dim = int(getattr(layer, "head_dim", None) or config.hidden_size // heads)
+            layer.maskprior = HFPrior(layer, heads, head_dim, int(config.hidden_size))
 
 
 def _remove_hf(model: nn.Module) -> nn.Module:

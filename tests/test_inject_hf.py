@@ -121,6 +121,65 @@ def test_a_model_that_attends_both_ways_is_refused():
         inject_prior(transformers.BertModel(config))
 
 
+# ------------------------------------------------------------------ the structure-free and query/key inits
+def backbone(model_type="gpt2", **config):
+    from lightning_maskprior import priors
+    from lightning_maskprior.models.hf import HFCausalLM
+    from lightning_maskprior.objectives import LanguageModelObjective
+    from lightning_maskprior.task import TaskSpec
+
+    torch.manual_seed(0)
+    spec = TaskSpec("lm", N, VOCAB, VOCAB, LanguageModelObjective(), priors.causal_relative_distance(N))
+    return HFCausalLM(spec, model_type=model_type, dim=32, depth=2, num_heads=4, config=config)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_mimetic_writes_every_head_of_the_models_own_projections(model_type):
+    """Wproj Wv = alpha Z - beta I (alpha = beta = 0.4, full rank at inner = dim) and every head's Wq, Wk, Wv
+    and Wproj columns are live and get a gradient, written into GPT-2's Conv1D / Llama's q/k/v/o_proj."""
+    from lightning_maskprior.inits import apply_init
+
+    model = backbone(model_type)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    apply_init("mimetic", model, None)
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert any("c_attn" in n or "q_proj" in n for n in changed) and any("c_proj" in n or "o_proj" in n for n in changed)
+    model.model.train()
+    model(tokens(batch=4, length=N)).logsumexp(-1).mean().backward()
+    for layer in attention_layers(model):
+        value, output = (w.detach() for w in layer.value_output_weights())
+        product = output @ value
+        assert product.diagonal().mean() == pytest.approx(-0.4, abs=0.05)
+        assert (product - torch.diag(product.diagonal())).std() == pytest.approx(0.4 / 32**0.5, rel=0.2)
+        per_head = [value.unflatten(0, (4, -1)).flatten(1), output.T.unflatten(0, (4, -1)).flatten(1),
+                    *(w.flatten(1) for w in layer.query_key_weights()),
+                    *(g.flatten(1) for g in layer.query_key_weights(grad=True))]
+        assert all((w.norm(dim=1) > 0).all() for w in per_head)
+
+
+def test_qk_svd_and_qk_opt_put_the_structure_into_gpt2s_query_key_weights():
+    from lightning_maskprior.inits import apply_init, open_attention_mass
+
+    structure = language_structure()
+    x = tokens(batch=8, length=N)
+    mass = {"default": open_attention_mass(backbone(), x, structure).mean()}
+    for init, options in {"qk_svd": {}, "qk_opt": {"steps": 200, "lr": 1e-2, "fit_on": "inputs"}}.items():
+        model = backbone()
+        apply_init(init, model, structure, **options)
+        mass[init] = open_attention_mass(model, x, structure).mean()
+        assert all(layer.prior_logits is None for layer in attention_layers(model))  # the structure is in Wq, Wk
+    assert mass["default"] < 0.5 < 0.8 < mass["qk_opt"] <= mass["qk_svd"]
+
+
+def test_inits_that_the_model_cannot_carry_are_refused_by_name():
+    from lightning_maskprior.inits import apply_init
+
+    with pytest.raises(ValueError, match="LlamaForCausalLM does not have .*rotary"):
+        apply_init("qk_svd", backbone("llama"), language_structure())
+    with pytest.raises(ValueError, match="grouped-query attention .*2 key/value heads for 4 query heads"):
+        apply_init("mimetic", backbone("llama", num_key_value_heads=2), None)
+
+
 # ------------------------------------------------------------------ the backbone, through the command line
 def hf_language(tmp_path):
     """The tiny pydoc run of the resume tests, with an HF decoder of two blocks as the backbone."""
@@ -140,9 +199,16 @@ def test_maskprior_fit_trains_an_hf_decoder_with_the_language_prior(tmp_path, mo
     from lightning_maskprior.cli import main
     from lightning_maskprior.run.tensorboard import read_scalars
 
-    main(pydoc_args(tmp_path, "--model.backbone.init_args.model_type", model_type))
+    main(pydoc_args(tmp_path, "--model.backbone.init_args.model_type", model_type,
+                    "--trainer.callbacks+=lightning_maskprior.callbacks.PriorPersistence",
+                    "--trainer.callbacks.every_n_steps", "4", "--trainer.callbacks.probe_split", "val"))
     run = next((tmp_path / "runs").glob("*/version_0"))
-    assert {"val/ppl", "val/loss"} <= set(read_scalars(run))
+    scalars = read_scalars(run)
+    assert {"val/ppl", "val/loss"} <= set(scalars)
+    # PriorPersistence reads the injected layers through the same interface as the project's own backbones
+    for tag in ("open_mass", "prior_drift", "qk_drift", "grad_q", "grad_prior"):
+        assert [step for step, _ in scalars[f"persistence/{tag}"]] == ([0, 4, 8] if tag[:4] != "grad" else [4, 8])
+    assert scalars["persistence/qk_drift"][-1][1] > 0 and scalars["persistence/grad_q"][-1][1] > 0
     module, _ = load_run(run)
     layers = attention_layers(module)
     assert len(layers) == 2 and all(isinstance(layer, HFPrior) for layer in layers)

@@ -18,6 +18,7 @@ from lightning_maskprior.study import load_study, run_study
 from lightning_maskprior.study.figures import figures
 from lightning_maskprior.study.report import render, update_readme
 from lightning_maskprior.study.results import CURVES_FILE, MAPS_FILE, load, study_info
+from lightning_maskprior.study.spec import StudyError
 
 INITS = ["default", "qk_opt", "mask"]
 SEEDS = [0, 1]
@@ -282,6 +283,24 @@ def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump(config))
     main(["study", "-c", str(path), "--table_only", "true"])
     assert (out / "figures" / "persistence.pdf").is_file()
+    # The data files alone carry the study on: in a fresh out_dir (no run directory), with results_from the copy,
+    # a finished run whose fingerprint is the same is kept with its row, curves and maps; one whose command
+    # changed runs again.
+    moved = tmp_path / "moved"
+    config = study_dict(moved, inits=["default", {"name": "mask", "args": ["--model.prior_weight_decay", "null"]}],
+                        seeds=[0], args=args, test=False, metrics=[{"tag": "val/mse", "label": "MSE"}],
+                        curves=["val/acc"], results_from=str(copy))
+    lines = []
+    assert run_study(load_study(config, path), log=lambda *a, **k: lines.append(" ".join(map(str, a)))) == 0
+    assert f"1 of them kept from {copy}), 1 to run" in lines[1]
+    assert not (moved / "2parity" / "default").exists() and (moved / "2parity" / "mask" / "seed0").is_dir()
+    again = load(moved)
+    assert again.runs_of("2parity", "default") == result.runs_of("2parity", "default")  # fingerprint included
+    assert again.curves[("2parity", "default", 0, "val/acc")] == result.curves[("2parity", "default", 0, "val/acc")]
+    assert np.array_equal(again.maps[("2parity", "default")]["end"], result.maps[("2parity", "default")]["end"])
+    assert again.runs_of("2parity", "mask")[0].fingerprint != result.runs_of("2parity", "mask")[0].fingerprint
+    with pytest.raises(StudyError, match="results_from: '.*nowhere' is not a study's result directory"):
+        load_study({**config, "results_from": str(tmp_path / "nowhere")})
 
 
 def test_a_labelled_variant_gets_its_name_and_every_column_says_what_it_ran(tmp_path):

@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from lightning_maskprior.inject import inject_prior
 from lightning_maskprior.models.base import Backbone
@@ -79,6 +80,33 @@ class HFCausalLM(Backbone):
             n = structure.seq_len
             raise ValueError(f"structure is {n}x{n} but the block has {self.seq_len} tokens")
         return structure
+
+    # --------------------------------------------------- the query/key init interface (lightning_maskprior/inits.py)
+    def _learned_positions(self) -> nn.Embedding:
+        """GPT-2's learned absolute positions; models with rotary positions (Llama family) have none to fit to."""
+        positions = getattr(getattr(self.model, "transformer", None), "wpe", None)
+        if not isinstance(positions, nn.Embedding):
+            raise ValueError("the query/key inits (qk_svd, qk_opt, impulse) fit Wq, Wk to a learned positional "
+                             f"embedding, which {type(self.model).__name__} does not have (its positions are "
+                             "rotary); GPT-2 has one")
+        return positions
+
+    def positional_embedding(self) -> Tensor:
+        """What each of the block's positions adds to its token: GPT-2's ``wpe`` rows (seq_len, dim)."""
+        return self._learned_positions()(torch.arange(self.seq_len, device=self.model.device))
+
+    @torch.no_grad()
+    def scale_positional_embedding(self, factor: float) -> None:
+        self._learned_positions().weight.mul_(factor)
+
+    def attention_norms(self) -> list[nn.Module]:
+        """The LayerNorm before each attention (GPT-2 blocks' ``ln_1``)."""
+        self._learned_positions()
+        return [block.ln_1 for block in self.model.transformer.h]
+
+    def example_inputs(self, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
+        """Uniformly random token blocks."""
+        return torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=generator)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(input_ids=tokens).logits

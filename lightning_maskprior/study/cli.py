@@ -17,6 +17,9 @@ After every run the study writes its data files into out_dir (``study.json``, ``
 and ``table.md`` / ``table.csv`` / ``per_seed.csv`` (mean +- std over seeds, the paper's numbers beneath ours); at
 the end also ``curves.csv.gz``, ``attention_maps.npz`` and ``figures/`` (PNG and PDF). ``maskprior report
 <out_dir>`` regenerates the tables and figures from those data files alone (see ``maskprior report --help``).
+Those files are also enough to go on elsewhere (another machine, a purged scratch disk): with ``--results_from
+<result dir>`` every finished row there whose fingerprint matches its run (the same command and config contents)
+is kept and not rerun.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from lightning_maskprior.study.cell import prepare_run
 from lightning_maskprior.study.launchers import Launcher, get_launcher
 from lightning_maskprior.study.lock import study_lock
 from lightning_maskprior.study.report import write_outputs
-from lightning_maskprior.study.results import STUDY_FILE, study_info
+from lightning_maskprior.study.results import STUDY_FILE, kept_rows, study_info
 from lightning_maskprior.study.spec import Run, Study, StudyError, check_commands, format_command, load_study
 
 
@@ -119,6 +122,13 @@ def build_parser():
         "study's are deleted and redone. Without it such an out_dir is refused, naming the study it holds.",
     )
     parser.add_argument(
+        "--results_from", type=str | None, default=None,
+        help="A result directory of this study made elsewhere (e.g. a committed docs/results/<name>, or an out_dir "
+        "on another machine): each finished row there whose fingerprint (fit command and config contents, without "
+        "paths) is the one a run here would have stands for that run, which is not run; its row, curves and maps "
+        "go into this out_dir's result files. A long grid continues this way from its data files alone.",
+    )
+    parser.add_argument(
         "--launcher", type=str, default="local",
         help="What executes each run's cell (python -m lightning_maskprior.study.cell <run_dir>). local: a child "
         "process of the study (the default; 'subprocess' is its old name). inprocess: in this process, one at a "
@@ -194,12 +204,14 @@ def check_out_dir_owner(study: Study) -> None:
 
 def _run_study(study: Study, launcher: Launcher, log=print) -> int:
     runs = study.runs()
-    todo = [run for run in runs if not run.is_done()]
+    kept = kept_rows(study)  # finished runs that only the result files record (a study moved or restored)
+    todo = [run for run in runs if not run.is_done() and run.name not in kept]
     log(f"study {study.title}: {len(runs)} runs ({len(study.tasks)} tasks x {len(study.inits)} inits x "
         f"{len(study.seeds)} seeds) in {study.out_dir}")
     states = [prepare_run(run, study.threads_per_run) for run in todo]
     resumed = states.count("resume")
-    log(f"  {len(runs) - len(todo)} finished earlier (skipped), {len(todo)} to run"
+    from_files = f"; {len(kept)} of them kept from {study.results_from}" if kept else ""
+    log(f"  {len(runs) - len(todo)} finished earlier (skipped{from_files}), {len(todo)} to run"
         f"{f' ({resumed} resumed from their last checkpoint)' if resumed else ''}; launcher {study.launcher}: "
         f"{launcher.describe()}")
 

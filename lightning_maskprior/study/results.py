@@ -4,11 +4,16 @@ run directories (``collect``) and read back without them (``load``), so a commit
     study.json          what was measured: title, seeds, the paper's tables, the tasks (metrics, curve tags,
                         training fraction, the paper's task key) and the init methods
     results.csv         one row per run: status, wall seconds, precision, the last value of each metric, the
-                        persistence score at the end and the half-life, the error of a failed run
+                        persistence score at the end and the half-life, the error of a failed run, and the run's
+                        fingerprint (``Run.fingerprint``: its command and config contents, without paths)
     curves.csv.gz       every finished run's curves: task, init, seed, tag, step, epoch, value (at most
                         MAX_POINTS points per series; gzip without a timestamp, so rewriting is byte-stable)
     attention_maps.npz  the first seed's attention maps at the start and the end of training, per task and init
                         (keys ``<task>/<init>/start``, ``.../end``, ``.../structure``, ``.../start_step``, ...)
+
+A study continues from these files alone (on another machine, in a checkout, on a cluster whose scratch was purged):
+given them as ``results_from``, each finished row whose fingerprint matches the run the study would run stands for
+that run, which is kept (row, curves, maps) and not rerun (:func:`kept_rows`).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class RunRow:
     precision: str | None = None
     values: dict[str, float] = field(default_factory=dict)  # tag -> last logged value (metrics, score, half-life)
     error: str = ""
+    fingerprint: str = ""  # Run.fingerprint() of the run that produced the row ("" in files written before it)
 
 
 @dataclass
@@ -122,24 +128,45 @@ def collect(study: Study, curves: bool = True) -> None:
     out = study.out_dir
     out.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out / STUDY_FILE, json.dumps(study_info(study), indent=1) + "\n")
+    kept = kept_rows(study)
+    previous = load(study.results_from, maps=curves) if kept else None  # read first: it may be out_dir itself
     results = [(run, _current(run)) for run in study.runs()]
     tags = sorted({m.tag for t in study.tasks for m in t.metrics} | {SCORE, HALF_LIFE})
     with atomic.atomic_path(out / RESULTS_FILE) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["task", "init", "seed", "status", "seconds", "precision", *tags, "error"])
+        writer.writerow(["task", "init", "seed", "status", "seconds", "precision", *tags, "error", "fingerprint"])
         for run, result in results:
-            if result is None:
-                writer.writerow([run.task.name, run.init.label, run.seed, "pending", "", "", *[""] * len(tags), ""])
-                continue
-            metrics = result.get("metrics", {})
-            error = result.get("error", "").strip().splitlines()[-1:] or [""]
-            writer.writerow([run.task.name, run.init.label, run.seed, result.get("status", "?"),
-                             result.get("seconds", ""), result.get("precision") or "",
-                             *[metrics.get(t, "") for t in tags], error[0]])
+            row = kept.get(run.name) if result is None else None
+            if row is not None:
+                writer.writerow([row.task, row.init, row.seed, row.status, "" if row.seconds is None else row.seconds,
+                                 row.precision or "", *[row.values.get(t, "") for t in tags], row.error,
+                                 row.fingerprint])
+            elif result is None:
+                writer.writerow([run.task.name, run.init.label, run.seed, "pending", "", "", *[""] * len(tags), "",
+                                 ""])
+            else:
+                metrics = result.get("metrics", {})
+                error = result.get("error", "").strip().splitlines()[-1:] or [""]
+                writer.writerow([run.task.name, run.init.label, run.seed, result.get("status", "?"),
+                                 result.get("seconds", ""), result.get("precision") or "",
+                                 *[metrics.get(t, "") for t in tags], error[0], run.fingerprint()])
     if curves:
         finished = [(run, result) for run, result in results if result is not None and result.get("status") == "ok"]
-        _write_curves(out / CURVES_FILE, finished)
-        _write_maps(out / MAPS_FILE, [run for run, _ in finished if run.seed == study.seeds[0]])
+        from_files = [run for run, result in results if result is None and run.name in kept]
+        _write_curves(out / CURVES_FILE, finished, previous, from_files)
+        _write_maps(out / MAPS_FILE, [run for run, _ in finished if run.seed == study.seeds[0]], previous,
+                    [run for run in from_files if run.seed == study.seeds[0]])
+
+
+def kept_rows(study: Study) -> dict[str, RunRow]:
+    """The finished rows (ok or diverged) of ``study.results_from`` that stand for runs whose directory has no
+    result of their own, by run name: those whose fingerprint is the run's."""
+    if study.results_from is None:
+        return {}
+    rows = load(study.results_from, maps=False).runs
+    by_name = {f"{r.task}/{r.init}/seed{r.seed}": r for r in rows if r.status in ("ok", "diverged") and r.fingerprint}
+    return {run.name: by_name[run.name] for run in study.runs() if run.name in by_name
+            and by_name[run.name].fingerprint == run.fingerprint() and run.load_result() is None}
 
 
 def fit_log_dir(run_dir: Path) -> Path:
@@ -182,12 +209,21 @@ def downsample(points: list, limit: int = MAX_POINTS) -> list:
     return [points[i] for i in index]
 
 
-def _write_curves(path: Path, runs: list[tuple[Run, dict]]) -> None:
+def _write_curves(path: Path, runs: list[tuple[Run, dict]], previous: ResultSet | None = None,
+                  kept: list[Run] = ()) -> None:
+    """Every run's curves from its TensorBoard events; the ``kept`` runs' from the ``previous`` curves file."""
     from lightning_maskprior.run.tensorboard import read_scalars
 
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
     writer.writerow(["task", "init", "seed", "tag", "step", "epoch", "value"])
+    old_curves = (previous.curves if previous is not None else None) or {}
+    for run in kept:
+        for (task, init, seed, tag), points in old_curves.items():
+            if (task, init, seed) == (run.task.name, run.init.label, run.seed):
+                for step, epoch, value in points:
+                    writer.writerow([task, init, seed, tag, step, "" if epoch is None else f"{epoch:.4g}",
+                                     f"{value:.6g}"])
     for run, _ in runs:
         scalars = read_scalars(fit_log_dir(run.dir))
         per_epoch = steps_per_epoch(scalars)
@@ -203,10 +239,15 @@ def _write_curves(path: Path, runs: list[tuple[Run, dict]]) -> None:
         f.write(text.getvalue().encode())
 
 
-def _write_maps(path: Path, runs: list[Run]) -> None:
+def _write_maps(path: Path, runs: list[Run], previous: ResultSet | None = None, kept: list[Run] = ()) -> None:
+    """The first seed's attention maps from the run directories; the ``kept`` runs' from the ``previous`` file."""
     import numpy as np
 
     arrays = {}
+    old_maps = (previous.maps if previous is not None else None) or {}
+    for run in kept:
+        for name, array in old_maps.get((run.task.name, run.init.label), {}).items():
+            arrays[f"{run.task.name}/{run.init.label}/{name}"] = array
     for run in runs:
         if StudyRunDir(run.dir).maps.is_file():
             with np.load(StudyRunDir(run.dir).maps) as data:
@@ -259,7 +300,7 @@ def _study_info(path: Path) -> dict[str, Any]:
 def _results_rows(path: Path, info: dict[str, Any]) -> list[RunRow]:
     """results.csv's rows, refused (naming the file and the row) when a row is cut short or a value is not what a
     study writes, or when a run of study.json has no row: a file cut at a row boundary is incomplete too."""
-    fixed = {"task", "init", "seed", "status", "seconds", "precision", "error"}
+    fixed = {"task", "init", "seed", "status", "seconds", "precision", "error", "fingerprint"}
     reader = csv.DictReader(io.StringIO(_read(path, "results table"), newline=""))
     runs = []
     for number, row in enumerate(reader, start=2):
@@ -277,7 +318,8 @@ def _results_rows(path: Path, info: dict[str, Any]) -> list[RunRow]:
             raise ResultFileError(f"{where}: precision {row['precision']!r} is not a Lightning precision: cut short?")
         values = {k: v for k, v in ((k, _float(v)) for k, v in row.items() if k not in fixed) if v is not None}
         runs.append(RunRow(row["task"], row["init"], seed, row["status"], _float(row.get("seconds")),
-                           row.get("precision") or None, values, row.get("error") or ""))
+                           row.get("precision") or None, values, row.get("error") or "",
+                           row.get("fingerprint") or ""))
     expected = {(t["name"], i.get("label", i["name"]), int(s)) for t in info["tasks"] for i in info["inits"]
                 for s in info["seeds"]}
     missing = expected - {(r.task, r.init, r.seed) for r in runs}

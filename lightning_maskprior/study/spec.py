@@ -77,6 +77,7 @@ class Study:
     paper_tables: list[str] = field(default_factory=list)
     retry_failed: bool = True
     replace_out_dir: bool = False  # run in an out_dir that holds another study's runs (they are redone)
+    results_from: Path | None = None  # a result directory whose finished rows stand for runs not run here
     launcher: str = "local"
     gpus_per_run: int | None = None  # None: the launcher's default (local: 1 when CUDA is present, else 0)
     launcher_options: dict[str, Any] = field(default_factory=dict)  # the launcher's own settings
@@ -282,10 +283,21 @@ def load_study(cfg: Any, path: Path | None = None, known_inits: set[str] | None 
         paper_tables=paper_tables,
         retry_failed=bool(cfg.get("retry_failed", True)),
         replace_out_dir=bool(cfg.get("replace_out_dir", False)),
+        results_from=_results_from(cfg.get("results_from")),
         launcher=launcher,
         gpus_per_run=gpus,
         launcher_options=dict(options),
     )
+
+
+def _results_from(value: Any) -> Path | None:
+    if value in (None, ""):
+        return None
+    path = Path(value).expanduser()
+    if not (path / "results.csv").is_file() or not (path / "study.json").is_file():
+        raise StudyError(f"results_from: {str(value)!r} is not a study's result directory (expected one holding "
+                         "study.json and results.csv, e.g. docs/results/<name>)")
+    return path.resolve()
 
 
 def _check_unique(names: list[str], where: str) -> None:
@@ -330,6 +342,18 @@ class Run:
         """What makes a finished run reusable: the same fit command, config file contents and test choice."""
         configs = {str(p): _file_hash(p) for p in [*self.task.configs, *self.init.configs]}
         return {"fit": self.fit_args(), "configs": configs, "test": self.study.test}
+
+    def fingerprint(self) -> str:
+        """The key without this machine's paths: each config file by name and content, the run directory by its
+        place in the grid. The same run gives the same fingerprint in another checkout, out_dir or machine, so
+        results.csv (which records it) can stand for a finished run whose directory is not there."""
+        import hashlib
+
+        configs = [f"{p.name}:{_file_hash(p)}" for p in [*self.task.configs, *self.init.configs]]
+        args = self.fit_args()
+        args = [a for a, previous in zip(args, ["", *args[:-1]], strict=True) if previous != "-c"][:-1]  # no paths
+        text = json.dumps({"configs": configs, "fit": args, "run": self.name, "test": self.study.test})
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def load_result(self) -> dict | None:
         try:
