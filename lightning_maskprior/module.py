@@ -148,6 +148,7 @@ class MaskPriorModule(L.LightningModule):
         _keep_plain_hparams(self.hparams)  # checkpoints load with weights_only=True: plain values only
         self.task = task
         self.init_method = init
+        self.backbone_factory = backbone
         self.optimizer_factory = optimizer
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
         self.prior_weight_decay = prior_weight_decay
@@ -182,9 +183,16 @@ class MaskPriorModule(L.LightningModule):
                              f"discover:<method> with a method in {sorted(ESTIMATORS)}")
         if not self.hparams.get("datamodule"):
             raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
-        found = discover(method, build_datamodule(self.hparams["datamodule"]))
+        found = discover(method, build_datamodule(self.hparams["datamodule"]), make_module=self.fresh)
         self.hparams["discovered_structure"] = {"method": method, "pairs": [list(p) for p in found.pairs]}
         return StructureSpec(pairs=[list(p) for p in found.pairs])
+
+    def fresh(self, init: str = "default") -> MaskPriorModule:
+        """A new module for the same task, backbone and optimizer, with ``init`` and no structure (every token
+        attends only to itself as far as a structure is concerned): what the discovery estimators train."""
+        return type(self)(backbone=self.backbone_factory, init=init, structure=StructureSpec(pairs=[]),
+                          optimizer=self.optimizer_factory, lr_schedule=self.lr_schedule,
+                          warmup_steps=self.warmup_steps, prior_weight_decay=self.prior_weight_decay, task=self.task)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this before load_state_dict: a checkpoint of another config fails here, in the

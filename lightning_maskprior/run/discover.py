@@ -30,12 +30,33 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--method", default="fourier", help=f"The estimator: one of {sorted(estimators.ESTIMATORS)}.")
     parser.add_argument("--out", type=Path, default=None,
                         help="Write the structure YAML here (default: print it); give it to --model.structure.")
-    parser.add_argument("--tolerance", type=float, default=1e-6,
-                        help="fourier: a coefficient counts above this fraction of the largest one.")
+    group = parser.add_argument_group("estimator options (each method takes its own; the default is the method's)")
+    group.add_argument("--tolerance", type=float, help="fourier: a coefficient counts above this fraction of the "
+                       "largest one (default 1e-6).")
+    group.add_argument("--steps", type=int, help="attention, learned: optimizer steps of the discovery model on the "
+                       "training split (default 300).")
+    group.add_argument("--lr", type=float, help="attention, learned: its Adam learning rate (default 1e-3).")
+    group.add_argument("--z_threshold", type=float, help="attention, learned: a pair opens where its score's robust "
+                       "z-score among the pairs of some layer and head exceeds this (default 4).")
+    group.add_argument("--probe_size", type=int, help="attention: training examples the attention is averaged over "
+                       "(default 256).")
+    group.add_argument("--sparsity", type=float, help="learned: weight of the penalty sum sigmoid(M) over every entry "
+                       "(default 1e-3).")
+    group.add_argument("--seed", type=int, help="attention, learned: seed of the discovery model (default 0).")
+    group.add_argument("--run", type=Path, help="attention: read this trained run's model (a run directory, as "
+                       "load_run takes) instead of training one; --steps defaults to 0 then.")
     args, overrides = parser.parse_known_args(argv)
+    options = {name: getattr(args, name) for name in ("tolerance", "steps", "lr", "z_threshold", "probe_size",
+                                                       "sparsity", "seed") if getattr(args, name) is not None}
     try:
-        datamodule = _datamodule(args.config, overrides)
-        found = estimators.discover(args.method, datamodule, tolerance=args.tolerance)
+        datamodule, module = _datamodule(args.config, overrides)
+        make_module = module.fresh
+        if args.run is not None:
+            if args.method != "attention":
+                raise ValueError(f"--run is an option of the attention estimator, not of {args.method!r}")
+            make_module = _trained(args.run)
+            options.setdefault("steps", 0)
+        found = estimators.discover(args.method, datamodule, make_module=make_module, **options)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -47,13 +68,23 @@ def main(argv: list[str]) -> None:
     print(f"{args.out}: {len(found.pairs)} open pair(s); {found.summary[-1]}")
 
 
-def _datamodule(configs: list[str], overrides: list[str]) -> Any:
-    """The datamodule the configs (and overrides) describe, parsed and built as ``maskprior fit`` builds it."""
+def _trained(run: Path):
+    """A module factory that gives the trained model of ``run`` (whatever init is asked for)."""
+    from lightning_maskprior.run.load import load_run
+
+    module, _ = load_run(run)
+    return lambda init: module
+
+
+def _datamodule(configs: list[str], overrides: list[str]) -> tuple[Any, MaskPriorModule]:
+    """The datamodule and model the configs (and overrides) describe, parsed and built as ``maskprior fit`` builds
+    them (the model with the default init and no structure: the model-based estimators train fresh copies of it)."""
     argv = config_files.resolve_argv(["fit", *(a for c in configs for a in ("-c", c)), *overrides,
-                                      "--model.init", "default", "--trainer.logger", "false"])[1:]
+                                      "--model.init", "default", "--model.structure", "{pairs: []}",
+                                      "--trainer.logger", "false"])[1:]
     with tempfile.TemporaryDirectory(prefix="discover_") as root, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cli = MaskPriorCLI(MaskPriorModule, L.LightningDataModule, subclass_mode_data=True, run=False,
                            args=[*argv, "--trainer.default_root_dir", root], auto_configure_optimizers=False,
                            save_config_callback=None)
-    return cli.datamodule
+    return cli.datamodule, cli.model
