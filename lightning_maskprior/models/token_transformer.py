@@ -6,7 +6,7 @@ pre-norm blocks (attention, GELU MLP) follow, and the pooled sequence goes throu
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -21,11 +21,12 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(LN(x)), then x + mlp(LN(x))."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int | None, mlp_dim: int,
-                 dropout: float = 0.0, qkv_bias: bool = False, causal: bool = False) -> None:
+                 dropout: float = 0.0, qkv_bias: bool = False, causal: bool = False,
+                 attention: nn.Module | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = PriorAttention(dim, num_heads, head_dim, qkv_bias=qkv_bias,
-                                   attn_drop=dropout, proj_drop=dropout, causal=causal)
+        self.attn = attention if attention is not None else PriorAttention(
+            dim, num_heads, head_dim, qkv_bias=qkv_bias, attn_drop=dropout, proj_drop=dropout, causal=causal)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(
             nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, dim),
@@ -57,6 +58,10 @@ class TokenTransformer(TokenBackbone):
             uses 1) drown the prior's signal; 0.02 is the default here (arXiv 2608.00418).
         dropout: Dropout in attention and MLP.
         qkv_bias: Bias in the query/key/value projection (GOTU: none).
+        attention: ``prior`` (PriorAttention: the prior ``M`` the init methods write) or ``goat``: GOAT's
+            attention with its own learned-from-scratch prior (``models/goat.py``; ``head_dim`` does not apply,
+            its heads are ``dim / num_heads`` wide; needs ``pip install ".[goat]"``).
+        goat_options: More ``GoatAttention`` arguments when ``attention`` is ``goat`` (``pos_rank``, ...).
     """
 
     def __init__(
@@ -71,10 +76,14 @@ class TokenTransformer(TokenBackbone):
         pos_init_std: float = 0.02,
         dropout: float = 0.0,
         qkv_bias: bool = False,
+        attention: Literal["prior", "goat"] = "prior",
+        goat_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if pooling not in ("mean", "cls", "tokens"):
             raise ValueError(f"pooling must be 'mean', 'cls' or 'tokens', got {pooling!r}")
+        if attention not in ("prior", "goat"):
+            raise ValueError(f"attention must be 'prior' or 'goat', got {attention!r}")
         self.readout_positions = list(task.extras.get("readout_positions", []))
         if pooling == "tokens" and not self.readout_positions:
             raise ValueError(f"pooling 'tokens' needs extras['readout_positions'], which task {task.name!r} lacks")
@@ -87,8 +96,15 @@ class TokenTransformer(TokenBackbone):
             torch.randn(1, task.seq_len + self.num_extra_tokens, dim) * pos_init_std
         )
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * pos_init_std) if pooling == "cls" else None
+        def layer() -> nn.Module | None:
+            if attention == "prior":
+                return None
+            from lightning_maskprior.models.goat import GoatLayer
+
+            return GoatLayer(dim, num_heads, task.seq_len + self.num_extra_tokens, dropout, goat_options)
+
         self.blocks = nn.ModuleList(
-            Block(dim, num_heads, head_dim, mlp_dim, dropout, qkv_bias) for _ in range(depth)
+            Block(dim, num_heads, head_dim, mlp_dim, dropout, qkv_bias, attention=layer()) for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, task.num_outputs)
