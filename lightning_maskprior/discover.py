@@ -83,6 +83,21 @@ def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
     return decorator
 
 
+def agreement(pairs: list[tuple[int, int]], structure: Any) -> dict[str, float]:
+    """How a discovered structure matches another (the oracle's), over the off-diagonal pairs that either opens in
+    any layer or head: ``precision`` (of the discovered pairs, the share the other opens) and ``recall`` (of the
+    other's pairs, the share discovered); each only where it is defined (a side with no pair gives none)."""
+    open_ = structure.open.flatten(0, 1).any(0)
+    n = open_.shape[-1]
+    theirs = {(i, j) for i, j in itertools.combinations(range(n), 2) if open_[i, j] or open_[j, i]}
+    ours, values = set(pairs), {}
+    if ours:
+        values["precision"] = len(ours & theirs) / len(ours)
+    if theirs:
+        values["recall"] = len(ours & theirs) / len(theirs)
+    return values
+
+
 ModuleFactory = Callable[[str], Any]  # init method -> a fresh MaskPriorModule for the task, with no structure
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -175,7 +176,7 @@ class MaskPriorModule(L.LightningModule):
     def _discovered(self, spec: str) -> StructureSpec:
         """``discover:<method>``: the structure estimator ``method`` finds in the training split of this run's
         datamodule (discover.py), instead of the task's own; the pairs go into the hyperparameters."""
-        from lightning_maskprior.discover import ESTIMATORS, discover
+        from lightning_maskprior.discover import ESTIMATORS, agreement, discover
 
         method = spec.removeprefix("discover:")
         if not spec.startswith("discover:") or method not in ESTIMATORS:
@@ -183,8 +184,16 @@ class MaskPriorModule(L.LightningModule):
                              f"discover:<method> with a method in {sorted(ESTIMATORS)}")
         if not self.hparams.get("datamodule"):
             raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
+        start = time.perf_counter()
         found = discover(method, build_datamodule(self.hparams["datamodule"]), make_module=self.fresh)
         self.hparams["discovered_structure"] = {"method": method, "pairs": [list(p) for p in found.pairs]}
+        # Logged at the start of training (discovery/*): the cost, and the match with the task's own structure,
+        # which is read only now, after the estimator has run.
+        self.discovery_metrics = {"discovery/seconds": time.perf_counter() - start,
+                                  "discovery/pairs": float(len(found.pairs))}
+        if self.task.structure is not None and self.task.structure.seq_len == found.seq_len:
+            self.discovery_metrics.update({f"discovery/{k}": v for k, v in agreement(found.pairs,
+                                                                                     self.task.structure).items()})
         return StructureSpec(pairs=[list(p) for p in found.pairs])
 
     def fresh(self, init: str = "default") -> MaskPriorModule:
@@ -193,6 +202,11 @@ class MaskPriorModule(L.LightningModule):
         return type(self)(backbone=self.backbone_factory, init=init, structure=StructureSpec(pairs=[]),
                           optimizer=self.optimizer_factory, lr_schedule=self.lr_schedule,
                           warmup_steps=self.warmup_steps, prior_weight_decay=self.prior_weight_decay, task=self.task)
+
+    def on_train_start(self) -> None:
+        metrics = getattr(self, "discovery_metrics", None)
+        if metrics and self.logger is not None and self.global_step == 0:
+            self.logger.log_metrics(metrics, step=0)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this before load_state_dict: a checkpoint of another config fails here, in the

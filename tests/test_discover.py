@@ -185,3 +185,23 @@ def test_the_attention_estimator_reads_a_trained_run(tmp_path, capsys):
           str(run), "--out", str(tmp_path / "structure.yaml")])
     text = (tmp_path / "structure.yaml").read_text()
     assert "the model as given" in text and StructureSpec(**yaml.safe_load(text)).build(int(TINY_BOOLEAN[1]))
+
+
+def test_a_fit_with_a_discovered_structure_logs_its_cost_and_its_match_with_the_oracle(tmp_path):
+    from conftest import TINY_BOOLEAN
+    from lightning_maskprior.discover import agreement
+    from lightning_maskprior.priors import Structure
+    from lightning_maskprior.run.tensorboard import read_scalars
+
+    main(["fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / "init/mask.yaml"), *TINY_BOOLEAN,
+          "--model.structure", "discover:fourier", "--trainer.max_epochs", "1",
+          "--trainer.default_root_dir", str(tmp_path)])
+    scalars = read_scalars(next(tmp_path.glob("*/version_0")))
+    logged = {tag: values for tag, values in scalars.items() if tag.startswith("discovery/")}
+    assert logged.pop("discovery/seconds")[0][0] == 0  # step 0
+    assert logged == {"discovery/pairs": [(0, 1.0)], "discovery/precision": [(0, 1.0)], "discovery/recall": [(0, 1.0)]}
+    open_ = torch.eye(4, dtype=torch.bool).expand(1, 2, 4, 4).clone()
+    open_[0, 1, 0, 2] = True  # one pair, in the second head only
+    oracle = Structure(open_)
+    assert agreement([(0, 2), (1, 3)], oracle) == {"precision": 0.5, "recall": 1.0}  # any layer or head counts
+    assert agreement([], oracle) == {"recall": 0.0}
