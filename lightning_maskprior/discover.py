@@ -108,12 +108,13 @@ def discover(method: str, datamodule: Any, make_module: ModuleFactory | None = N
     if method not in ESTIMATORS:
         raise ValueError(f"unknown discovery method {method!r}; expected one of {sorted(ESTIMATORS)}")
     estimator = ESTIMATORS[method]
-    unknown = sorted(set(options) - set(inspect.signature(estimator).parameters) - {"make_module"})
+    parameters = inspect.signature(estimator).parameters
+    known = [n for n in parameters if n not in ("datamodule", "make_module")]
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        known = [n for n in inspect.signature(estimator).parameters if n not in ("datamodule", "make_module")]
         raise ValueError(f"estimator {method!r} has no option {', '.join(unknown)}; its options: {', '.join(known)}")
     datamodule.setup("fit")
-    if "make_module" in inspect.signature(estimator).parameters:
+    if "make_module" in parameters:
         if make_module is None:
             raise ValueError(f"estimator {method!r} trains a model: give make_module (the command and "
                              "--model.structure discover:<method> build the run's own)")
@@ -203,9 +204,7 @@ def _probe(datamodule: Any, size: int) -> torch.Tensor:
 def _train(module: Any, datamodule: Any, steps: int, lr: float, penalty: Callable[[], torch.Tensor] | None = None,
            ) -> float:
     """``steps`` Adam steps of the module's own loss (+ ``penalty()``) on training batches; the last loss."""
-    priors = [p for layer in attention_layers(module) if (p := layer.prior_logits) is not None]
-    others = [p for p in module.parameters() if p.requires_grad and all(p is not q for q in priors)]
-    optimizer = torch.optim.Adam([{"params": others}, {"params": priors}], lr=lr)
+    optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=lr)  # M included
     module.train()
     batches = _batches(datamodule)
     last = float("nan")

@@ -19,6 +19,19 @@ from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import atomic, config_files
 from lightning_maskprior.run.cli import MaskPriorCLI
 
+# The estimators' options on the command line: given ones go to the method, which refuses those it does not take.
+ESTIMATOR_OPTIONS: dict[str, tuple[type, str]] = {
+    "tolerance": (float, "fourier: a coefficient counts above this fraction of the largest one (default 1e-6)."),
+    "steps": (int, "attention, learned: optimizer steps of the discovery model on the training split (default 300)."),
+    "lr": (float, "attention, learned: its Adam learning rate (default 1e-3)."),
+    "z_threshold": (float, "attention, learned: a token is relevant where the robust z-score of its mean score with "
+                           "the other tokens exceeds this in some layer and head; every pair of relevant tokens "
+                           "opens (default 4)."),
+    "probe_size": (int, "attention: training examples the attention is averaged over (default 256)."),
+    "sparsity": (float, "learned: weight of the penalty sum sigmoid(M) over every entry (default 1e-3)."),
+    "seed": (int, "attention, learned: seed of the discovery model (default 0)."),
+}
+
 
 def main(argv: list[str]) -> None:
     """``maskprior discover``: estimate a structure from a task config's training data and write it as YAML."""
@@ -31,23 +44,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="Write the structure YAML here (default: print it); give it to --model.structure.")
     group = parser.add_argument_group("estimator options (each method takes its own; the default is the method's)")
-    group.add_argument("--tolerance", type=float, help="fourier: a coefficient counts above this fraction of the "
-                       "largest one (default 1e-6).")
-    group.add_argument("--steps", type=int, help="attention, learned: optimizer steps of the discovery model on the "
-                       "training split (default 300).")
-    group.add_argument("--lr", type=float, help="attention, learned: its Adam learning rate (default 1e-3).")
-    group.add_argument("--z_threshold", type=float, help="attention, learned: a pair opens where its score's robust "
-                       "z-score among the pairs of some layer and head exceeds this (default 4).")
-    group.add_argument("--probe_size", type=int, help="attention: training examples the attention is averaged over "
-                       "(default 256).")
-    group.add_argument("--sparsity", type=float, help="learned: weight of the penalty sum sigmoid(M) over every entry "
-                       "(default 1e-3).")
-    group.add_argument("--seed", type=int, help="attention, learned: seed of the discovery model (default 0).")
+    for name, (kind, text) in ESTIMATOR_OPTIONS.items():
+        group.add_argument(f"--{name}", type=kind, help=text)
     group.add_argument("--run", type=Path, help="attention: read this trained run's model (a run directory, as "
                        "load_run takes) instead of training one; --steps defaults to 0 then.")
     args, overrides = parser.parse_known_args(argv)
-    options = {name: getattr(args, name) for name in ("tolerance", "steps", "lr", "z_threshold", "probe_size",
-                                                       "sparsity", "seed") if getattr(args, name) is not None}
+    options = {name: getattr(args, name) for name in ESTIMATOR_OPTIONS if getattr(args, name) is not None}
     try:
         datamodule, module = _datamodule(args.config, overrides)
         make_module = module.fresh

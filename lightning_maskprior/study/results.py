@@ -128,8 +128,9 @@ def collect(study: Study, curves: bool = True) -> None:
     out = study.out_dir
     out.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out / STUDY_FILE, json.dumps(study_info(study), indent=1) + "\n")
-    kept = kept_rows(study)
-    previous = load(study.results_from, maps=curves) if kept else None  # read first: it may be out_dir itself
+    # results_from is read before out_dir's files are rewritten: it may be out_dir itself
+    previous = load(study.results_from, maps=curves) if study.results_from is not None else None
+    kept = kept_rows(study, previous)
     results = [(run, _current(run)) for run in study.runs()]
     tags = sorted({m.tag for t in study.tasks for m in t.metrics} | {SCORE, HALF_LIFE})
     with atomic.atomic_path(out / RESULTS_FILE) as tmp, open(tmp, "w", newline="") as f:
@@ -158,12 +159,12 @@ def collect(study: Study, curves: bool = True) -> None:
                     [run for run in from_files if run.seed == study.seeds[0]])
 
 
-def kept_rows(study: Study) -> dict[str, RunRow]:
-    """The finished rows (ok or diverged) of ``study.results_from`` that stand for runs whose directory has no
-    result of their own, by run name: those whose fingerprint is the run's."""
+def kept_rows(study: Study, previous: ResultSet | None = None) -> dict[str, RunRow]:
+    """The finished rows (ok or diverged) of ``study.results_from`` (``previous``, if already loaded) that stand
+    for runs whose directory has no result of their own, by run name: those whose fingerprint is the run's."""
     if study.results_from is None:
         return {}
-    rows = load(study.results_from, maps=False).runs
+    rows = (previous if previous is not None else load(study.results_from, maps=False)).runs
     by_name = {f"{r.task}/{r.init}/seed{r.seed}": r for r in rows if r.status in ("ok", "diverged") and r.fingerprint}
     return {run.name: by_name[run.name] for run in study.runs() if run.name in by_name
             and by_name[run.name].fingerprint == run.fingerprint() and run.load_result() is None}
@@ -218,12 +219,11 @@ def _write_curves(path: Path, runs: list[tuple[Run, dict]], previous: ResultSet 
     writer = csv.writer(text, lineterminator="\n")
     writer.writerow(["task", "init", "seed", "tag", "step", "epoch", "value"])
     old_curves = (previous.curves if previous is not None else None) or {}
-    for run in kept:
-        for (task, init, seed, tag), points in old_curves.items():
-            if (task, init, seed) == (run.task.name, run.init.label, run.seed):
-                for step, epoch, value in points:
-                    writer.writerow([task, init, seed, tag, step, "" if epoch is None else f"{epoch:.4g}",
-                                     f"{value:.6g}"])
+    wanted = {(run.task.name, run.init.label, run.seed) for run in kept}
+    for (task, init, seed, tag), points in old_curves.items():
+        if (task, init, seed) in wanted:
+            for step, epoch, value in points:
+                writer.writerow([task, init, seed, tag, step, "" if epoch is None else f"{epoch:.4g}", f"{value:.6g}"])
     for run, _ in runs:
         scalars = read_scalars(fit_log_dir(run.dir))
         per_epoch = steps_per_epoch(scalars)
