@@ -21,7 +21,8 @@ Supported:
 - Hugging Face decoder-only language models whose attention goes through the library's attention-function registry
   (GPT-2, and the Llama family: Llama, Qwen2, Mistral...): each attention module gets a :class:`HFPrior` (holding
   M) and the model runs the ``maskprior`` attention function, which adds ``log sigmoid(s M)`` to the model's own
-  causal and padding mask and hands over to the library's SDPA attention. Needs ``pip install ".[hf]"``.
+  causal and padding mask and hands over to the library's SDPA attention (on a CPU, with a prior, it computes the
+  attention as the project's explicit kernel does). Needs ``pip install ".[hf]"``.
 
 Anything else that attends is refused, naming its class.
 """
@@ -30,9 +31,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_maskprior.attention import PriorAttention, PriorCarrier, attention_layers
+from lightning_maskprior.attention import PriorAttention, PriorCarrier, attention_layers, kernel_for, softmax_rows
 from lightning_maskprior.priors import Structure
 
 
@@ -246,25 +248,41 @@ def _is_hf_model(model: nn.Module) -> bool:
 def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                         **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """transformers' attention function for an injected prior: the model's mask (causal and padding, additive,
-    from ``eager_mask``) plus ``log sigmoid(s M)``, then the library's own SDPA attention."""
+    from ``eager_mask``) plus ``log sigmoid(s M)``.
+
+    Where the project's own layers use their explicit kernel (a CPU, :func:`~lightning_maskprior.attention.kernel_for`)
+    and there is a prior, it computes the attention the same way: the logits in float32 with the mask and the prior
+    added, so under bf16 autocast neither the sum nor M's gradient is rounded to 8 bits, and no grad-requiring mask
+    sends SDPA to its unfused math kernel. Elsewhere, and without a prior, the library's own SDPA attention runs.
+    """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     prior = getattr(module, "maskprior", None)
-    bias = prior.prior_bias() if isinstance(prior, HFPrior) else None
+    bias = prior.attention_bias() if isinstance(prior, HFPrior) else None
+    recording = isinstance(prior, HFPrior) and prior.record_attention
     if bias is not None:
         q_len, kv_len, n = query.shape[2], key.shape[2], bias.shape[-1]
         if kv_len > n:
             raise ValueError(f"prior is {n}x{n} but the attention sees {kv_len} tokens")
-        bias = bias[None, :, kv_len - q_len:kv_len, :kv_len].to(query.dtype)  # the query rows of a KV cache
-        attention_mask = bias if attention_mask is None else attention_mask + bias
-    if isinstance(prior, HFPrior) and prior.record_attention:
+        bias = bias[None, :, kv_len - q_len:kv_len, :kv_len]  # the query rows of a KV cache
+    explicit = bias is not None and kernel_for(query.device.type, query.dtype) == "explicit"
+    if explicit or recording:
         groups = getattr(module, "num_key_value_groups", 1)
-        keys = repeat_kv(key, groups) if groups > 1 else key
+        keys, values = (repeat_kv(key, groups), repeat_kv(value, groups)) if groups > 1 else (key, value)
         scaling = kwargs.get("scaling")  # None: SDPA's default, 1 / sqrt(head width)
-        logits = query @ keys.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
-        if attention_mask is not None:
-            logits = logits + attention_mask
-        prior.last_attention = logits.float().softmax(-1).to(query.dtype).detach()
+        logits = (query @ keys.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scaling is None else scaling)).float()
+        for term in (attention_mask, bias):
+            if term is not None:
+                logits = logits + term
+        probs = softmax_rows(logits).to(query.dtype)
+        if recording:
+            prior.last_attention = probs.detach()
+        if explicit:
+            out = F.dropout(probs, kwargs.get("dropout") or 0.0) @ values
+            return out.transpose(1, 2).contiguous(), None
+    if bias is not None:
+        bias = bias.to(query.dtype)
+        attention_mask = bias if attention_mask is None else attention_mask + bias
     return sdpa_attention_forward(module, query, key, value, attention_mask, **{**kwargs, "is_causal": False})
 
 

@@ -157,3 +157,28 @@ def test_softmax_rows_leaves_float64_to_torch():
     logits = torch.randn(2, 7, dtype=torch.float64)
     assert softmax_rows(logits).dtype == torch.float64
     torch.testing.assert_close(softmax_rows(logits), logits.softmax(-1), rtol=0, atol=0)
+
+
+def _denormals(t: torch.Tensor) -> int:
+    t = t.detach().float().abs()
+    return int(((t > 0) & (t < torch.finfo(torch.float32).tiny)).sum())
+
+
+def test_the_language_prior_never_makes_denormal_probabilities_and_changes_nothing_above_the_floor():
+    # log sigmoid(10 M) with M = -distance is -90 at distance 9: exp() of it is a denormal float, which a CPU
+    # computes several times slower. The attention floors the prior term (PRIOR_FLOOR) so no probability is one.
+    from lightning_maskprior import priors
+    from lightning_maskprior.attention import PRIOR_FLOOR
+
+    torch.manual_seed(0)
+    n = 16
+    layer = PriorAttention(dim=16, num_heads=2, head_dim=8, causal=True, kernel="explicit")
+    layer.set_prior(priors.causal_relative_distance(n).layer_values(0), scale=10.0)
+    layer.record_attention = True
+    x = torch.randn(8, n, 16)
+    out = layer(x)
+    assert _denormals(layer.last_attention) == 0
+    assert layer.prior_bias().min() < -100 and layer.attention_bias().min() == PRIOR_FLOOR
+    torch.testing.assert_close(out, reference_attention(layer, x, causal=True), atol=1e-6, rtol=1e-5)
+    grad = torch.autograd.grad(out.square().sum(), layer.prior_logits)[0]
+    assert _denormals(grad) == 0 and grad[0, 5, 4].abs() > 0  # an entry above the floor still learns
