@@ -1,8 +1,8 @@
 """Lightning callbacks (installed as ``lightning_maskprior.callbacks``), each with one job.
 
 Measuring the prior: PriorPersistence, AttentionMaps, AttentionRecord, ExtrapolationMonitor. Writing: PredictionWriter,
-HparamsSession. Keeping a run safe to stop and resume (the CLI adds these to every fit): StopOnSignal, RNGStates,
-StopOnDivergence.
+HparamsSession. Keeping a run safe to stop and resume (the CLI adds these to every fit): StopOnSignal, FinalCheckpoint,
+RNGStates, StopOnDivergence.
 """
 
 from lightning_maskprior.callbacks.attention_maps import AttentionMaps
@@ -13,7 +13,7 @@ from lightning_maskprior.callbacks.hparams import HparamsSession
 from lightning_maskprior.callbacks.persistence import PriorPersistence
 from lightning_maskprior.callbacks.predictions import PredictionWriter
 from lightning_maskprior.callbacks.rng import RNGStates
-from lightning_maskprior.callbacks.signals import StopOnSignal
+from lightning_maskprior.callbacks.signals import FinalCheckpoint, StopOnSignal
 
-__all__: list[str] = ["AttentionMaps", "AttentionRecord", "Diverged", "ExtrapolationMonitor", "HparamsSession",
-                      "PredictionWriter", "PriorPersistence", "RNGStates", "StopOnDivergence", "StopOnSignal"]
+__all__: list[str] = ["AttentionMaps", "AttentionRecord", "Diverged", "ExtrapolationMonitor", "FinalCheckpoint",
+                      "HparamsSession", "PredictionWriter", "PriorPersistence", "RNGStates", "StopOnDivergence", "StopOnSignal"]

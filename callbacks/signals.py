@@ -104,3 +104,23 @@ class StopOnSignal(Callback):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+class FinalCheckpoint(Callback):
+    """Save ``last.ckpt`` when training ends, unless the checkpoint callback already saved that very step.
+
+    A ModelCheckpoint that saves every n epochs (the arithmetic paper configs: every 5th, with the validation)
+    leaves ``last.ckpt`` at the last multiple of n when ``max_epochs`` is not one, or when ``max_steps`` stops
+    training mid-epoch; what tests and reopens the run would then see older weights than training ended with.
+    """
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        callback = trainer.checkpoint_callback
+        if not isinstance(callback, ModelCheckpoint) or not callback.save_last:
+            return
+        step = getattr(callback, "_last_global_step_saved", None)  # Lightning's record of its latest save
+        if step == trainer.global_step:
+            return  # this step is saved
+        if step is not None and not getattr(callback, "_last_checkpoint_saved", ""):
+            return  # nothing saved yet: ModelCheckpoint's own on_train_end saves last.ckpt
+        trainer.save_checkpoint(last_checkpoint_path(trainer))

@@ -50,6 +50,20 @@ def test_last_epoch_is_validated_when_the_validation_interval_skips_it(tiny_args
     assert steps[0] < steps[1]
 
 
+def test_last_ckpt_holds_the_final_weights_when_checkpoints_are_saved_every_n_epochs(tiny_args, tmp_path):
+    """A ModelCheckpoint every 2 epochs and max_epochs 3: last.ckpt is still the end of training (what test reads)."""
+    callback = ('{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": true, '
+                '"every_n_epochs": 2, "save_on_train_epoch_end": true}}')
+    run_cli("fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / "init/mask.yaml"), *tiny_args,
+            "--trainer.max_epochs", "3", "--trainer.callbacks+", callback)
+    (run_dir,) = (tmp_path / "runs").glob("*/version_*")
+    checkpoints = {p.name: torch.load(p, map_location="cpu", weights_only=False) for p in
+                   (run_dir / "checkpoints").glob("*.ckpt")}
+    steps_per_epoch = checkpoints["last.ckpt"]["global_step"] // 3
+    assert checkpoints["last.ckpt"]["epoch"] == 3 and steps_per_epoch > 0
+    assert [c["global_step"] for n, c in checkpoints.items() if n != "last.ckpt"] == [2 * steps_per_epoch]
+
+
 def test_mask_prior_is_trained_and_fixed_is_not(tiny_args, tmp_path):
     for init in ("mask", "fixed"):
         run_cli("fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / f"init/{init}.yaml"),

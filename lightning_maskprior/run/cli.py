@@ -33,7 +33,7 @@ from lightning_maskprior.callbacks import PredictionWriter
 from lightning_maskprior.callbacks.divergence import Diverged, StopOnDivergence
 from lightning_maskprior.callbacks.hparams import HparamsSession
 from lightning_maskprior.callbacks.rng import RNGStates
-from lightning_maskprior.callbacks.signals import StopOnSignal
+from lightning_maskprior.callbacks.signals import FinalCheckpoint, StopOnSignal
 from lightning_maskprior.datamodules.base import MaskPriorDataModule
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import allocator, checks, config_files, precision
@@ -118,8 +118,8 @@ class MaskPriorCLI(LightningCLI):
                 rank_zero_info(line)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
-        # Every fit keeps last.ckpt (and stops on SIGTERM/SIGINT with it saved), unless checkpointing is off.
-        callbacks = [*callbacks, StopOnSignal(), RNGStates(), StopOnDivergence()]
+        # Every fit keeps last.ckpt (saved at the end of training and on SIGTERM/SIGINT), unless checkpointing is off.
+        callbacks = [*callbacks, StopOnSignal(), FinalCheckpoint(), RNGStates(), StopOnDivergence()]
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
             run_dir = RunDir.of_checkpoint(self.config.predict.get("ckpt_path"))
             callbacks.append(PredictionWriter(run_dir.path if run_dir is not None else None))
