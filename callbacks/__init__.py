@@ -16,4 +16,5 @@ from lightning_maskprior.callbacks.rng import RNGStates
 from lightning_maskprior.callbacks.signals import FinalCheckpoint, StopOnSignal
 
 __all__: list[str] = ["AttentionMaps", "AttentionRecord", "Diverged", "ExtrapolationMonitor", "FinalCheckpoint",
-                      "HparamsSession", "PredictionWriter", "PriorPersistence", "RNGStates", "StopOnDivergence", "StopOnSignal"]
+                      "HparamsSession", "PredictionWriter", "PriorPersistence", "RNGStates", "StopOnDivergence",
+                      "StopOnSignal"]

@@ -4,7 +4,7 @@ A fit writes ``<root>/<name>/<version>/`` (a :class:`RunDir`, e.g. ``runs/2parit
 
     config.yaml          the whole configuration the fit ran with (precision as used)
     hparams.yaml         the module's hyperparameters (Lightning's)
-    checkpoints/         last.ckpt after every epoch (or a ModelCheckpoint's cadence) and at the end, and the others it keeps
+    checkpoints/         last.ckpt after every epoch (or at a ModelCheckpoint's cadence) and at the end; the others
     predictions.csv      what ``maskprior predict`` wrote from one of its checkpoints
     events.out.tfevents.* TensorBoard
 
