@@ -258,14 +258,17 @@ class PriorAttention(PriorCarrier):
         return self.proj_drop(self.proj(out))
 
     @staticmethod
-    def reference_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool) -> Tensor:
-        """Attention probabilities computed explicitly (the reference path the tests compare with).
+    def reference_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool,
+                        scale: float | None = None) -> Tensor:
+        """Attention probabilities computed explicitly (the reference path the tests compare with), with the logits
+        scaled by ``scale`` (default ``1 / sqrt(head width)``).
 
         The result has the dtype of ``q`` (bfloat16 under autocast). A ``bias`` in a wider dtype than ``q``
         (the float32 prior under autocast) is added to the logits in its own dtype, and the softmax then runs
         in it; on a CPU the softmax of short rows runs in float32 anyway (:func:`softmax_rows`).
         """
-        logits = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        logits = q @ k.transpose(-2, -1)
+        logits = logits / q.shape[-1] ** 0.5 if scale is None else logits * scale
         if bias is not None:
             logits = logits.to(torch.promote_types(logits.dtype, bias.dtype)) + bias
         if is_causal:

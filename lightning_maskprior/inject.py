@@ -34,7 +34,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_maskprior.attention import PriorAttention, PriorCarrier, attention_layers, kernel_for, softmax_rows
+from lightning_maskprior.attention import PriorAttention, PriorCarrier, attention_layers, kernel_for
 from lightning_maskprior.priors import Structure
 
 
@@ -269,12 +269,12 @@ def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if explicit or recording:
         groups = getattr(module, "num_key_value_groups", 1)
         keys, values = (repeat_kv(key, groups), repeat_kv(value, groups)) if groups > 1 else (key, value)
-        scaling = kwargs.get("scaling")  # None: SDPA's default, 1 / sqrt(head width)
-        logits = (query @ keys.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scaling is None else scaling)).float()
+        additive = None  # the model's mask and the prior, added to the logits in float32
         for term in (attention_mask, bias):
             if term is not None:
-                logits = logits + term
-        probs = softmax_rows(logits).to(query.dtype)
+                additive = term.float() if additive is None else additive + term
+        # scaling None: SDPA's default, 1 / sqrt(head width)
+        probs = PriorAttention.reference_probs(query, keys, additive, is_causal=False, scale=kwargs.get("scaling"))
         if recording:
             prior.last_attention = probs.detach()
         if explicit:

@@ -14,6 +14,13 @@ CONFIGS = ROOT / "configs"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+
+def denormals(t: torch.Tensor) -> int:
+    """How many entries of ``t`` are denormal float32 numbers (non-zero, below the smallest normal one)."""
+    t = t.detach().float().abs()
+    return int(((t > 0) & (t < torch.finfo(torch.float32).tiny)).sum())
+
+
 # A Boolean config shrunk to a seconds-long run: n = 6 (64 points), a width-16, 2-layer model.
 TINY_BOOLEAN = [
     "--data.init_args.n", "6", "--data.init_args.eval_batch_size", "64",

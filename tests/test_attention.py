@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import denormals
 from lightning_maskprior.attention import PriorAttention, attention_probabilities, kernel_for, softmax_rows
 
 
@@ -159,11 +160,6 @@ def test_softmax_rows_leaves_float64_to_torch():
     torch.testing.assert_close(softmax_rows(logits), logits.softmax(-1), rtol=0, atol=0)
 
 
-def _denormals(t: torch.Tensor) -> int:
-    t = t.detach().float().abs()
-    return int(((t > 0) & (t < torch.finfo(torch.float32).tiny)).sum())
-
-
 def test_the_language_prior_never_makes_denormal_probabilities_and_changes_nothing_above_the_floor():
     # log sigmoid(10 M) with M = -distance is -90 at distance 9: exp() of it is a denormal float, which a CPU
     # computes several times slower. The attention floors the prior term (PRIOR_FLOOR) so no probability is one.
@@ -177,8 +173,8 @@ def test_the_language_prior_never_makes_denormal_probabilities_and_changes_nothi
     layer.record_attention = True
     x = torch.randn(8, n, 16)
     out = layer(x)
-    assert _denormals(layer.last_attention) == 0
+    assert denormals(layer.last_attention) == 0
     assert layer.prior_bias().min() < -100 and layer.attention_bias().min() == PRIOR_FLOOR
     torch.testing.assert_close(out, reference_attention(layer, x, causal=True), atol=1e-6, rtol=1e-5)
     grad = torch.autograd.grad(out.square().sum(), layer.prior_logits)[0]
-    assert _denormals(grad) == 0 and grad[0, 5, 4].abs() > 0  # an entry above the floor still learns
+    assert denormals(grad) == 0 and grad[0, 5, 4].abs() > 0  # an entry above the floor still learns
