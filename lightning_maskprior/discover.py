@@ -31,6 +31,13 @@ relevant where its mean score with the other tokens stands out among the tokens 
 z-score ``(s - median) / (1.4826 MAD)`` above ``Z_THRESHOLD``, 4), and every pair of relevant tokens opens. A
 trained model shows which tokens matter more reliably than which of them pair up (a relevant token draws
 attention from every other one), as the MDI does on a seen region.
+
+Every estimator also gives its *interactions*: the sets of tokens it takes for one term (fourier: each MDI monomial
+of degree >= 2 and each pair of isolated variables; the model-based ones: each pair of relevant tokens). Over a
+model's heads they are laid out by one rule (:meth:`Discovery.heads`): with at least two interactions and no more
+than heads, each gets a head of its own and the heads left over carry them all; otherwise every head carries every
+pair. Which pairs open is the estimator's; the layout decides, for instance, whether a model can keep ThreeSym's
+three products apart (on its seen region ``x0 x1 = x2``, so the data alone cannot tell a product from a variable).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import torch
 
 from lightning_maskprior.attention import attention_layers, attention_probabilities
 from lightning_maskprior.fourier import min_degree_interpolator, walsh_hadamard
+from lightning_maskprior.priors import StructureSpec
 
 Estimator = Callable[..., "Discovery"]
 ESTIMATORS: dict[str, Estimator] = {}
@@ -59,15 +67,50 @@ class Discovery:
     pairs: list[tuple[int, int]]
     reasons: dict[tuple[int, int], str] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)  # one line per fact (threshold, relevant variables, ...)
+    # The candidate interactions: each a set of tokens the estimator takes for one term (an MDI monomial, a pair of
+    # relevant tokens). ``pairs`` is the union of their pairs; :meth:`heads` lays them out over heads.
+    interactions: list[tuple[int, ...]] = field(default_factory=list)
 
-    def to_yaml(self) -> str:
+    def heads(self, num_heads: int) -> list[list[tuple[int, int]]] | None:
+        """The open pairs of each of ``num_heads`` heads, or None where every head shares ``pairs``.
+
+        The one layout rule: where there are at least two interactions and no more than heads, each interaction
+        gets a head of its own (the heads left over carry every pair); otherwise every head carries every pair.
+        One head's softmax mixes whatever its row opens, so two products opened in one head reach the model as
+        one average; a head each keeps them apart, as the multi-head layout of the paper's structures does
+        (ThreeSym: one pair per head)."""
+        interactions = [sorted(t) for t in self.interactions if len(t) >= 2]
+        if not 1 < len(interactions) <= num_heads:
+            return None
+        own = [list(itertools.combinations(t, 2)) for t in interactions]
+        return [own[h] if h < len(own) else list(self.pairs) for h in range(num_heads)]
+
+    def spec(self, num_heads: int | None = None) -> StructureSpec:
+        """The structure as ``--model.structure`` takes it, laid out over ``num_heads`` heads (:meth:`heads`)."""
+        heads = self.heads(num_heads) if num_heads else None
+        if heads is None:
+            return StructureSpec(pairs=[list(p) for p in self.pairs])
+        return StructureSpec(heads=[[list(p) for p in head] for head in heads])
+
+    def to_yaml(self, num_heads: int | None = None) -> str:
         """The YAML ``--model.structure`` reads, with the summary and each pair's reason as comments."""
+        heads = self.heads(num_heads) if num_heads else None
+        layout = ("one pattern shared by every head" if heads is None else
+                  f"laid out over {num_heads} heads: one interaction per head, the heads left over carry them all")
         lines = [f"# Structure discovered by `maskprior discover --method {self.method}` from the training data.",
                  *(f"# {line}" for line in self.summary),
-                 f"# {len(self.pairs)} open pair(s) of {self.seq_len} tokens, symmetric, every token's own entry open."]
+                 f"# {len(self.pairs)} open pair(s) of {self.seq_len} tokens, symmetric, every token's own entry open; "
+                 f"{layout}."]
         lines += [f"#   {i} <-> {j}: {self.reasons.get((i, j), '')}" for i, j in self.pairs]
-        pairs = ", ".join(f"[{i}, {j}]" for i, j in self.pairs)
-        lines += [f"pairs: [{pairs}]", "symmetric: true", "diagonal: true", ""]
+
+        def pair_list(pairs) -> str:
+            return "[" + ", ".join(f"[{i}, {j}]" for i, j in pairs) + "]"
+
+        if heads is None:
+            lines.append(f"pairs: {pair_list(self.pairs)}")
+        else:
+            lines += ["heads:", *(f"  - {pair_list(head)}  # head {h}" for h, head in enumerate(heads))]
+        lines += ["symmetric: true", "diagonal: true", ""]
         return "\n".join(lines)
 
 
@@ -156,6 +199,7 @@ def fourier_estimator(datamodule: Any, tolerance: float = 1e-6) -> Discovery:
     monomials = [[i for i in range(n) if s >> i & 1] for s in significant]
     relevant = sorted({i for m in monomials for i in m})
     reasons: dict[tuple[int, int], str] = {}
+    interactions = [tuple(m) for m in monomials if len(m) >= 2]
     for s, variables in zip(significant, monomials, strict=True):
         if len(variables) >= 2:
             name = "*".join(f"x{i}" for i in variables)
@@ -164,12 +208,13 @@ def fourier_estimator(datamodule: Any, tolerance: float = 1e-6) -> Discovery:
     in_products = {i for m in monomials if len(m) >= 2 for i in m}
     isolated = [i for i in relevant if i not in in_products]
     for pair in itertools.combinations(isolated, 2):
+        interactions.append(pair)  # each pair of isolated variables is one candidate collapsed product
         reasons.setdefault(pair, "relevant, in degree-1 terms only (a product the seen region collapsed)")
     summary = [f"MDI of {len(train.tensors['target'])} training points: {len(significant)} non-constant monomial(s) "
                f"above {tolerance:g} x the largest coefficient ({largest:.4g})",
                f"relevant variables: {', '.join(f'x{i}' for i in relevant) or 'none'}; isolated: "
                f"{', '.join(f'x{i}' for i in isolated) or 'none'}"]
-    return Discovery("fourier", n, sorted(reasons), reasons, summary)
+    return Discovery("fourier", n, sorted(reasons), reasons, summary, interactions)
 
 
 # ------------------------------------------------------------------------------------- from a trained model
@@ -298,7 +343,7 @@ def attention_estimator(datamodule: Any, make_module: ModuleFactory, steps: int 
     summary = [f"{trained}; attention averaged over "
                f"{probe_size} training examples; score sqrt(P_ij P_ji) in units of the uniform 1/{probs[0].shape[-1]}",
                _relevant_line(relevant, z_threshold)]
-    return Discovery("attention", n, pairs, reasons, summary)
+    return Discovery("attention", n, pairs, reasons, summary, pairs)
 
 
 @register_estimator("learned")
@@ -335,4 +380,4 @@ def learned_estimator(datamodule: Any, make_module: ModuleFactory, steps: int = 
     summary = [f"{steps} steps with a learnable prior M = 0 and the penalty {sparsity:g} x sum sigmoid(M) (final "
                f"loss {loss:.4g}); M ranges over [{float(logits.min()):.3g}, {float(logits.max()):.3g}]",
                _relevant_line(relevant, z_threshold)]
-    return Discovery("learned", n, pairs, reasons, summary)
+    return Discovery("learned", n, pairs, reasons, summary, pairs)

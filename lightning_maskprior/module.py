@@ -18,6 +18,7 @@ from lightning.pytorch.cli import OptimizerCallable, instantiate_class
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_maskprior.attention import attention_layers
 from lightning_maskprior.checkpoints import check_checkpoint_fits
 from lightning_maskprior.inits import apply_init, check_init_options
 from lightning_maskprior.models import Backbone, TokenTransformer
@@ -171,7 +172,19 @@ class MaskPriorModule(L.LightningModule):
         if structure is None:
             return None
         to_sequence = getattr(self.backbone, "structure_for_sequence", None)
-        return to_sequence(structure) if to_sequence is not None else structure
+        structure = to_sequence(structure) if to_sequence is not None else structure
+        return self._measured_only(structure)
+
+    def _measured_only(self, structure: Structure) -> Structure:
+        """An init that does not place the structure (default, zero, mimetic, ...) only measures against it: where
+        its heads do not fit the model's (GOAT needs a head count that divides the width; the task's structure may
+        have one pattern per head of another count), it is measured against the union of its heads."""
+        if getattr(check_init_options(self.init_method, {}), "needs_structure", False):
+            return structure
+        layers = attention_layers(self.backbone)
+        if layers and structure.num_heads not in (1, layers[0].num_heads):
+            return structure.union_over_heads()
+        return structure
 
     def _discovered(self, spec: str) -> StructureSpec:
         """``discover:<method>``: the structure estimator ``method`` finds in the training split of this run's
@@ -186,7 +199,10 @@ class MaskPriorModule(L.LightningModule):
             raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
         start = time.perf_counter()
         found = discover(method, build_datamodule(self.hparams["datamodule"]), make_module=self.fresh)
+        spec = found.spec(attention_layers(self.backbone)[0].num_heads)
         self.hparams["discovered_structure"] = {"method": method, "pairs": [list(p) for p in found.pairs]}
+        if spec.heads is not None:
+            self.hparams["discovered_structure"]["heads"] = spec.heads
         # Logged at the start of training (discovery/*): the cost, and the match with the task's own structure,
         # which is read only now, after the estimator has run.
         self.discovery_metrics = {"discovery/seconds": time.perf_counter() - start,
@@ -194,7 +210,7 @@ class MaskPriorModule(L.LightningModule):
         if self.task.structure is not None and self.task.structure.seq_len == found.seq_len:
             self.discovery_metrics.update({f"discovery/{k}": v for k, v in agreement(found.pairs,
                                                                                      self.task.structure).items()})
-        return StructureSpec(pairs=[list(p) for p in found.pairs])
+        return spec
 
     def fresh(self, init: str = "default") -> MaskPriorModule:
         """A new module for the same task, backbone and optimizer, with ``init`` and no structure (every token

@@ -107,6 +107,10 @@ class Structure:
             )
         return self
 
+    def union_over_heads(self) -> Structure:
+        """One pattern shared by every head: the pairs any head opens (Boolean; graded values are dropped)."""
+        return Structure(self.open.any(dim=1, keepdim=True), name=f"{self.name} (union over heads)")
+
     def expanded(self, num_layers: int, num_heads: int) -> Tensor:
         """The open pattern as a full (num_layers, num_heads, N, N) tensor."""
         self.for_model(num_layers, num_heads)

@@ -32,9 +32,55 @@ def test_fourier_recovers_a_planted_structure_anywhere(target, seen, pairs):
 
 
 def test_the_shipped_tasks(tmp_path):
-    found = {task: discover("fourier", BooleanGOTUDataModule(task, n=15)).pairs for task in ("2parity", "threesym")}
-    assert found["2parity"] == [(0, 1)]  # the oracle's pair, though x0 x1 is not in the seen data's MDI
-    assert found["threesym"] == [(0, 1), (0, 2), (1, 2)]  # which head has which pair is not in the data
+    found = {task: discover("fourier", BooleanGOTUDataModule(task, n=15)) for task in ("2parity", "threesym")}
+    assert found["2parity"].pairs == [(0, 1)]  # the oracle's pair, though x0 x1 is not in the seen data's MDI
+    assert found["2parity"].heads(3) is None  # one interaction: every head carries it, as in the oracle's
+    assert found["threesym"].pairs == [(0, 1), (0, 2), (1, 2)]
+    # three candidate products (x0 x1 = x2 on the seen region: each pair may be one) for three heads: one each, the
+    # oracle's layout up to which head has which pair (that is not in the data)
+    assert sorted(map(tuple, found["threesym"].heads(3))) == [((0, 1),), ((0, 2),), ((1, 2),)]
+    assert found["threesym"].heads(2) is None  # more interactions than heads: shared
+
+
+ALL = [(0, 1), (2, 5), (2, 7), (5, 7)]
+
+
+@pytest.mark.parametrize("interactions, num_heads, heads", [
+    ([(0, 1)], 4, None),  # one interaction: every head carries it
+    ([(0, 1), (2, 5, 7)], 4, [[(0, 1)], [(2, 5), (2, 7), (5, 7)], ALL, ALL]),  # a head each, the rest carry all
+    ([(0, 1), (2, 5, 7)], 2, [[(0, 1)], [(2, 5), (2, 7), (5, 7)]]),
+    ([(0, 1), (2, 5), (2, 7), (5, 7)], 3, None),  # more interactions than heads: every head carries every pair
+])
+def test_the_one_layout_rule_over_heads(interactions, num_heads, heads):
+    from lightning_maskprior.discover import Discovery
+
+    found = Discovery("planted", 8, ALL, interactions=interactions)
+    assert found.heads(num_heads) == heads
+    spec = found.spec(num_heads)
+    built = spec.build(8)
+    assert built.num_heads == (1 if heads is None else num_heads)
+    for h in range(built.num_heads):
+        open_ = built.layer(0)[h]
+        pairs = ALL if heads is None else heads[h]
+        assert {(i, j) for i in range(8) for j in range(i + 1, 8) if open_[i, j]} == set(pairs)
+        assert (open_ == open_.T).all() and open_.diagonal().all()
+
+
+def test_the_command_lays_threesym_out_one_pair_per_head(tmp_path, capsys):
+    out = tmp_path / "structure.yaml"
+    main(["discover", "-c", str(CONFIGS / "boolean/threesym.yaml"), "--out", str(out)])
+    assert "one interaction per head of 3" in capsys.readouterr().out
+    built = StructureSpec(**yaml.safe_load(out.read_text())).build(15)
+    per_head = [{(i, j) for i in range(15) for j in range(i + 1, 15) if built.layer(0)[h][i, j]} for h in range(3)]
+    assert sorted(map(sorted, per_head)) == [[(0, 1)], [(0, 2)], [(1, 2)]]
+
+
+def test_the_command_reads_a_config_whose_own_structure_closes_the_diagonal(tmp_path):
+    """cyclic3_small gives its structure with diagonal: false; the discovery's own model must not inherit that."""
+    out = tmp_path / "structure.yaml"
+    main(["discover", "-c", str(CONFIGS / "boolean/cyclic3_small.yaml"), "--out", str(out)])
+    built = StructureSpec(**yaml.safe_load(out.read_text())).build(15).layer(0)[0]
+    assert all(built[i, (i + 1) % 15] and built[i, (i + 2) % 15] for i in range(15)) and built.diagonal().all()
 
 
 def test_discovery_never_reads_the_evaluation_split():
@@ -100,10 +146,11 @@ def test_a_run_can_train_with_a_discovered_structure(tmp_path):
     torch.manual_seed(0)
     module = MaskPriorModule(backbone, init="mask", structure="discover:learned", datamodule=datamodule)
     after = torch.rand(1)
-    pairs = module.hparams["discovered_structure"]["pairs"]
-    assert module.hparams["discovered_structure"]["method"] == "learned"
+    found = module.hparams["discovered_structure"]
+    assert found["method"] == "learned"
+    spec = StructureSpec(heads=found["heads"]) if "heads" in found else StructureSpec(pairs=found["pairs"])
     torch.manual_seed(0)
-    direct = MaskPriorModule(backbone, init="mask", structure=StructureSpec(pairs=pairs), datamodule=datamodule)
+    direct = MaskPriorModule(backbone, init="mask", structure=spec, datamodule=datamodule)
     assert torch.equal(torch.rand(1), after)
     for (name, mine), theirs in zip(module.state_dict().items(), direct.state_dict().values(), strict=True):
         assert torch.equal(mine, theirs), name

@@ -5,6 +5,8 @@ import pytest
 
 pytest.importorskip("goat")
 
+import torch  # noqa: E402
+
 from conftest import CONFIGS, TINY_BOOLEAN  # noqa: E402
 from lightning_maskprior.cli import main  # noqa: E402
 
@@ -42,3 +44,24 @@ def test_what_goat_cannot_do_fails_naming_it(tmp_path, capsys, extra, message):
               "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert info.value.code == 2 and re.search(message, err) and "Traceback" not in err
+
+
+def test_a_goat_run_is_measured_against_the_union_of_a_structure_with_other_heads():
+    """ThreeSym's structure has one pair in each of 3 heads; GOAT needs a head count that divides the width. A run
+    that does not place the structure only measures against it: the union over its heads. An init that places it
+    still refuses the mismatch."""
+    from functools import partial
+
+    from lightning_maskprior.datamodules import BooleanGOTUDataModule
+    from lightning_maskprior.models import TokenTransformer
+    from lightning_maskprior.module import MaskPriorModule
+
+    task = BooleanGOTUDataModule("threesym", n=6).task_spec()
+    goat = partial(TokenTransformer, dim=32, depth=1, num_heads=1, head_dim=32, mlp_dim=32, attention="goat")
+    module = MaskPriorModule(goat, init="default", task=task)
+    union = module.structure.layer(0)
+    assert union.shape[0] == 1 and all(union[0, i, j] for i, j in [(0, 1), (1, 2), (0, 2)])
+    assert torch.equal(union[0], task.structure.open.any(dim=1)[0])
+    plain = partial(TokenTransformer, dim=32, depth=1, num_heads=2, head_dim=16, mlp_dim=32)
+    with pytest.raises(ValueError, match="has 3 heads but the model has 2"):
+        MaskPriorModule(plain, init="mask", task=task)

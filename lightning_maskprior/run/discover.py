@@ -15,6 +15,7 @@ from typing import Any
 import lightning as L
 
 from lightning_maskprior import discover as estimators
+from lightning_maskprior.attention import attention_layers
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import atomic, config_files
 from lightning_maskprior.run.cli import MaskPriorCLI
@@ -62,12 +63,14 @@ def main(argv: list[str]) -> None:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    text = found.to_yaml()
+    num_heads = attention_layers(module.backbone)[0].num_heads  # the heads the structure is laid out over
+    text = found.to_yaml(num_heads)
     if args.out is None:
         print(text, end="")
         return
     atomic.write_text(args.out, text)
-    print(f"{args.out}: {len(found.pairs)} open pair(s); {found.summary[-1]}")
+    layout = "shared by every head" if found.heads(num_heads) is None else f"one interaction per head of {num_heads}"
+    print(f"{args.out}: {len(found.pairs)} open pair(s), {layout}; {found.summary[-1]}")
 
 
 def _trained(run: Path):
@@ -82,7 +85,8 @@ def _datamodule(configs: list[str], overrides: list[str]) -> tuple[Any, MaskPrio
     """The datamodule and model the configs (and overrides) describe, parsed and built as ``maskprior fit`` builds
     them (the model with the default init and no structure: the model-based estimators train fresh copies of it)."""
     argv = config_files.resolve_argv(["fit", *(a for c in configs for a in ("-c", c)), *overrides,
-                                      "--model.init", "default", "--model.structure", "{pairs: []}",
+                                      "--model.init", "default",  # a config's own structure options do not carry:
+                                      "--model.structure", "{pairs: [], symmetric: true, diagonal: true}",
                                       "--trainer.logger", "false"])[1:]
     with tempfile.TemporaryDirectory(prefix="discover_") as root, warnings.catch_warnings():
         warnings.simplefilter("ignore")
