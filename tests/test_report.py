@@ -105,6 +105,30 @@ def test_table_in_the_papers_layout(result_dir):
     assert "do not edit by hand" in md
 
 
+def test_which_way_is_better_a_cost_and_a_count():
+    """Seconds are a cost (lower is better); a count of found pairs is neither: nothing bold, no direction."""
+    from lightning_maskprior.study.results import InitInfo
+    from lightning_maskprior.study.spec import _parse_metrics
+    from lightning_maskprior.study.tables import Cell, _describe, _table
+
+    seconds, pairs = _parse_metrics(["discovery/seconds", {"tag": "discovery/pairs", "better": "none"}], "metrics")
+    assert seconds.better == "lower" and _describe(seconds) == "discovery/seconds (discovery/seconds; lower is better)"
+    assert _describe(pairs) == "discovery/pairs (discovery/pairs)"
+    with pytest.raises(StudyError, match=r"metrics\[0\]: better must be 'higher', 'lower' or 'none', got 'up'"):
+        _parse_metrics([{"tag": "test/acc", "better": "up"}], "metrics")
+
+    class Result:
+        inits = [InitInfo("default", "default"), InitInfo("mask", "mask")]
+        seeds = [0]
+
+    class Task:
+        name = "2parity"
+
+    cells = [Cell(mean=1.0, std=None, n=1), Cell(mean=3.0, std=None, n=1)]
+    for better, row in [("none", "| 2parity | 1.0 | 3.0 |"), ("lower", "| 2parity | **1.0** | 3.0 |")]:
+        assert row in _table(Result(), "t", [(Task(), cells)], 1, 2, better)
+
+
 def test_ties_are_not_bold(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     path = write_result_dir(tmp_path / "fake", curves=False, inits=["default", "qk_opt"])

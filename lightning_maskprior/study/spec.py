@@ -32,14 +32,15 @@ class Metric:
     scale: float = 1.0  # multiply before printing (100 for accuracies in %)
     digits: int = 4  # decimals printed
     paper: str | None = None  # key of the paper's number in paper_results.TABLES ("acc", "mse", ...)
-    better: str = "higher"  # which way is better ("higher" or "lower"): the table bolds the best mean per task
+    better: str = "higher"  # which way is better ("higher", "lower"; "none": a count, nothing bold): the table
+    # bolds the best mean per task
 
 
-LOWER_IS_BETTER = ("mse", "loss", "ppl", "perplexity", "error", "drift")
+LOWER_IS_BETTER = ("mse", "loss", "ppl", "perplexity", "error", "drift", "seconds")
 
 
 def default_better(tag: str) -> str:
-    """``lower`` for errors (MSE, loss, perplexity), ``higher`` for the rest (accuracies)."""
+    """``lower`` for errors (MSE, loss, perplexity) and costs (seconds), ``higher`` for the rest (accuracies)."""
     return "lower" if any(word in tag.lower() for word in LOWER_IS_BETTER) else "higher"
 
 
@@ -144,8 +145,8 @@ def _parse_metrics(values: list, where: str) -> list[Metric]:
         if digits < 0:
             raise StudyError(f"{at}: digits must be >= 0, got {digits}")
         better = value.get("better", default_better(value["tag"]))
-        if better not in ("higher", "lower"):
-            raise StudyError(f"{at}: better must be 'higher' or 'lower', got {better!r}")
+        if better not in ("higher", "lower", "none"):
+            raise StudyError(f"{at}: better must be 'higher', 'lower' or 'none', got {better!r}")
         metrics.append(Metric(value["tag"], str(value.get("label", value["tag"])), scale, digits, value.get("paper"),
                               better))
     return metrics

@@ -122,7 +122,7 @@ def _table(result: ResultSet, title: str, rows: list[tuple[TaskInfo, list[Cell]]
     lines = [f"{'#' * level} {title}", "", "| " + " | ".join(header) + " |",
              "|---|" + "---:|" * len(result.inits)]
     for task, cells in rows:
-        bold = best(cells, digits, better) if better else set()
+        bold = best(cells, digits, better) if better in ("higher", "lower") else set()
         texts = [_cell_text(c, digits, len(result.seeds)) for c in cells]
         texts = [f"**{t}**" if i in bold else t for i, t in enumerate(texts)]
         lines.append("| " + " | ".join([task.name, *texts]) + " |")
@@ -149,7 +149,8 @@ def metric_tables(result: ResultSet) -> list[tuple[Metric, list[tuple[TaskInfo, 
 
 def _describe(metric: Metric) -> str:
     scale = f" x {metric.scale:g}" if metric.scale != 1 else ""
-    return f"{metric.label} ({metric.tag}{scale}; {metric.better} is better)"
+    better = f"; {metric.better} is better" if metric.better != "none" else ""
+    return f"{metric.label} ({metric.tag}{scale}{better})"
 
 
 def _precisions(result: ResultSet) -> str:
