@@ -10,11 +10,13 @@ import functools
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable, instantiate_class
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -223,6 +225,12 @@ class MaskPriorModule(L.LightningModule):
         metrics = getattr(self, "discovery_metrics", None)
         if metrics and self.logger is not None and self.global_step == 0:
             self.logger.log_metrics(metrics, step=0)
+            # the structure this run trained with, beside its config in hparams.yaml (the logger wrote the
+            # hyperparameters as the CLI gave them, "discover:<method>", before the estimator ran)
+            self.logger.log_hyperparams({"discovered_structure": self.hparams["discovered_structure"]})
+            log_dir, hparams = getattr(self.logger, "log_dir", None), getattr(self.logger, "hparams", None)
+            if log_dir and isinstance(hparams, dict) and self.trainer.is_global_zero:  # the logger writes it once
+                save_hparams_to_yaml(Path(log_dir) / "hparams.yaml", hparams)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this before load_state_dict: a checkpoint of another config fails here, in the

@@ -243,7 +243,11 @@ def test_a_fit_with_a_discovered_structure_logs_its_cost_and_its_match_with_the_
     main(["fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / "init/mask.yaml"), *TINY_BOOLEAN,
           "--model.structure", "discover:fourier", "--trainer.max_epochs", "1",
           "--trainer.default_root_dir", str(tmp_path)])
-    scalars = read_scalars(next(tmp_path.glob("*/version_0")))
+    run = next(tmp_path.glob("*/version_0"))
+    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert hparams["structure"] == "discover:fourier"
+    assert hparams["discovered_structure"] == {"method": "fourier", "pairs": [[0, 1]]}  # what the run trained with
+    scalars = read_scalars(run)
     logged = {tag: values for tag, values in scalars.items() if tag.startswith("discovery/")}
     assert logged.pop("discovery/seconds")[0][0] == 0  # step 0
     assert logged == {"discovery/pairs": [(0, 1.0)], "discovery/precision": [(0, 1.0)], "discovery/recall": [(0, 1.0)]}
