@@ -81,6 +81,12 @@ def check_resume(tmp_path: Path, args: list[str], stop: list[str], expected_rc: 
     assert [p.name for p in (tmp_path / "resumed").iterdir()] == [last.parents[2].name]
     assert [p.name for p in last.parents[2].iterdir()] == ["version_0"]
     assert_same_scalars(tmp_path / "full", tmp_path / "resumed")
+    # last.ckpt holds the end of training, as the uninterrupted run's does (what test and load_run read), and
+    # is the only "last": a signal's last.ckpt saved outside the ModelCheckpoint once made it save last-v1.ckpt
+    (full,) = (tmp_path / "full").glob("*/version_0/checkpoints/last.ckpt")
+    steps = [torch.load(p, map_location="cpu", weights_only=False)["global_step"] for p in (full, last)]
+    assert steps[0] == steps[1], f"last.ckpt of the resumed run is at step {steps[1]}, the run ended at {steps[0]}"
+    assert sorted(p.name for p in last.parent.glob("last*")) == ["last.ckpt"]
 
 
 @pytest.fixture(autouse=True)
@@ -95,6 +101,21 @@ def _helpers_importable(monkeypatch):
 ], ids=["mid-epoch-sigterm", "epoch-boundary-sigint", "first-step"])
 def test_boolean_resume_is_exact(tmp_path, step, signum):
     check_resume(tmp_path, BOOLEAN, _signal_at(step, signum), 128 + signum)
+
+
+def test_a_resumed_run_ends_in_last_ckpt_even_from_a_checkpoint_that_does_not_claim_it(tmp_path):
+    """A signal's last.ckpt whose ModelCheckpoint state names no "last" (as written before the signal handler
+    recorded it): the resumed run still ends in last.ckpt, not in a last-v1.ckpt beside a stale last.ckpt."""
+    assert _fit(BOOLEAN, tmp_path, *_signal_at(0)) == 128 + signal.SIGTERM
+    (last,) = tmp_path.glob("*/version_0/checkpoints/last.ckpt")
+    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    for key, state in checkpoint["callbacks"].items():
+        if key.startswith("ModelCheckpoint"):
+            state["last_model_path"] = ""
+    torch.save(checkpoint, last)
+    assert _fit(BOOLEAN, tmp_path, "--ckpt_path", "last") == 0
+    assert sorted(p.name for p in last.parent.glob("last*")) == ["last.ckpt"]
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 9  # 3 epochs x 3 batches
 
 
 def test_crash_without_checkpoint_resumes_from_last_and_hides_the_lost_steps(tmp_path):
