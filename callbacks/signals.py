@@ -35,16 +35,6 @@ def last_checkpoint_path(trainer: L.Trainer) -> Path:
     return RunDir(trainer.log_dir or trainer.default_root_dir).last_checkpoint
 
 
-def claim_as_last(trainer: L.Trainer, path: Path) -> None:
-    """Record ``path`` as the ModelCheckpoint's own last checkpoint, in its state that the checkpoint saves. A
-    ``last.ckpt`` saved outside the ModelCheckpoint (on a signal, at the end of training) is otherwise a stranger
-    to it once the run resumes: it then saves the run's next ``last`` as ``last-v1.ckpt`` and leaves ``last.ckpt``,
-    which test, predict and ``load_run`` read, at the interrupted step."""
-    callback = trainer.checkpoint_callback
-    if isinstance(callback, ModelCheckpoint) and callback.save_last and Path(path).name == RunDir.LAST:
-        callback.last_model_path = str(path)
-
-
 class StopOnSignal(Callback):
     """Stop gracefully on ``signals``: save ``last.ckpt`` at the end of the current batch, then exit 128 + signal.
 
@@ -104,7 +94,6 @@ class StopOnSignal(Callback):
         if not stop or self._saved is not None:
             return
         path = last_checkpoint_path(trainer)
-        claim_as_last(trainer, path)
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:
             print(f"\nreceived {signal.Signals(self.received).name} at step {trainer.global_step}: saved {path}; "
@@ -126,11 +115,14 @@ class FinalCheckpoint(Callback):
     """
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Resumed from last.ckpt: it is the ModelCheckpoint's own "last" whoever saved it (a checkpoint written
-        # before claim_as_last existed does not say so).
-        last = last_checkpoint_path(trainer)
-        if trainer.ckpt_path and Path(trainer.ckpt_path).resolve() == last.resolve():
-            claim_as_last(trainer, last)
+        # Resumed from last.ckpt: it is the ModelCheckpoint's own "last", whoever saved it. A last.ckpt that
+        # StopOnSignal or on_train_end saved is a stranger to the ModelCheckpoint's restored state, which would then
+        # save the run's next "last" as last-v1.ckpt and leave last.ckpt (what test, predict and load_run read) at
+        # the interrupted step.
+        callback, last = trainer.checkpoint_callback, last_checkpoint_path(trainer)
+        if (isinstance(callback, ModelCheckpoint) and callback.save_last and trainer.ckpt_path
+                and Path(trainer.ckpt_path).resolve() == last.resolve()):
+            callback.last_model_path = str(last)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         callback = trainer.checkpoint_callback
@@ -141,6 +133,4 @@ class FinalCheckpoint(Callback):
             return  # this step is saved
         if step is not None and not getattr(callback, "_last_checkpoint_saved", ""):
             return  # nothing saved yet: ModelCheckpoint's own on_train_end saves last.ckpt
-        path = last_checkpoint_path(trainer)
-        claim_as_last(trainer, path)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(last_checkpoint_path(trainer))

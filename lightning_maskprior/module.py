@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 
 from lightning_maskprior.attention import attention_layers
 from lightning_maskprior.checkpoints import check_checkpoint_fits
-from lightning_maskprior.inits import apply_init, check_init_options
+from lightning_maskprior.inits import INIT_METHODS, apply_init, check_init_options
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.priors import Structure, StructureSpec
 from lightning_maskprior.task import TaskSpec
@@ -181,7 +181,7 @@ class MaskPriorModule(L.LightningModule):
         """An init that does not place the structure (default, zero, mimetic, ...) only measures against it: where
         its heads do not fit the model's (GOAT needs a head count that divides the width; the task's structure may
         have one pattern per head of another count), it is measured against the union of its heads."""
-        if getattr(check_init_options(self.init_method, {}), "needs_structure", False):
+        if getattr(INIT_METHODS[self.init_method], "needs_structure", False):
             return structure
         layers = attention_layers(self.backbone)
         if layers and structure.num_heads not in (1, layers[0].num_heads):
@@ -227,9 +227,9 @@ class MaskPriorModule(L.LightningModule):
             self.logger.log_metrics(metrics, step=0)
             # the structure this run trained with, beside its config in hparams.yaml (the logger wrote the
             # hyperparameters as the CLI gave them, "discover:<method>", before the estimator ran)
-            self.logger.log_hyperparams({"discovered_structure": self.hparams["discovered_structure"]})
             log_dir, hparams = getattr(self.logger, "log_dir", None), getattr(self.logger, "hparams", None)
             if log_dir and isinstance(hparams, dict) and self.trainer.is_global_zero:  # the logger writes it once
+                hparams["discovered_structure"] = self.hparams["discovered_structure"]
                 save_hparams_to_yaml(Path(log_dir) / "hparams.yaml", hparams)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -104,8 +104,8 @@ def test_boolean_resume_is_exact(tmp_path, step, signum):
 
 
 def test_a_resumed_run_ends_in_last_ckpt_even_from_a_checkpoint_that_does_not_claim_it(tmp_path):
-    """A signal's last.ckpt whose ModelCheckpoint state names no "last" (as written before the signal handler
-    recorded it): the resumed run still ends in last.ckpt, not in a last-v1.ckpt beside a stale last.ckpt."""
+    """A signal's last.ckpt whose ModelCheckpoint state names no "last" (the signal handler saves outside the
+    ModelCheckpoint): the resumed run still ends in last.ckpt, not in a last-v1.ckpt beside a stale last.ckpt."""
     assert _fit(BOOLEAN, tmp_path, *_signal_at(0)) == 128 + signal.SIGTERM
     (last,) = tmp_path.glob("*/version_0/checkpoints/last.ckpt")
     checkpoint = torch.load(last, map_location="cpu", weights_only=False)
