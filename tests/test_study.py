@@ -448,6 +448,38 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert prepare_run(run) == "redo" and not (run.dir / "marker.txt").exists()
 
 
+def test_the_same_study_from_another_install_location_keeps_its_runs(tmp_path, monkeypatch):
+    """Runs are matched by fingerprint (command and config contents, no paths): the same configs at another
+    path (a reinstall, a moved checkout) keep a finished run and resume an interrupted one; changed contents
+    redo it."""
+    monkeypatch.chdir(ROOT)
+    first, second = tmp_path / "first", tmp_path / "second"
+    for where in (first, second):
+        where.mkdir()
+        shutil.copy(CONFIGS / "boolean/2parity.yaml", where / "2parity.yaml")
+    config = tiny_study(tmp_path / "out", seeds=[0], inits=["mask"],
+                        tasks=[{"name": "2parity", "config": str(first / "2parity.yaml")}])
+    moved = {**config, "tasks": [{"name": "2parity", "config": str(second / "2parity.yaml")}]}
+    run_study(load_study(config), log=lambda line, **kw: None)
+    run = load_study(moved).runs()[0]
+    assert run.key() != load_study(config).runs()[0].key() and run.is_done()
+    finished = run.result_path.read_text()
+    lines = []
+    assert run_study(load_study(moved), log=lambda line, **kw: lines.append(line)) == 0
+    assert "1 finished earlier (skipped), 0 to run" in lines[1] and run.result_path.read_text() == finished
+
+    ckpts = sorted(run.dir.rglob("*.ckpt"))
+    last = ckpts[0].parent / "last.ckpt"
+    if not last.exists():
+        shutil.copy(ckpts[0], last)
+    run.result_path.unlink()  # interrupted under the first path: its checkpoint stays
+    (run.dir / "fit.json").unlink()
+    assert prepare_run(run) == "resume"
+    (second / "2parity.yaml").write_text((second / "2parity.yaml").read_text() + "\n# changed\n")
+    changed = load_study(moved).runs()[0]
+    assert not changed.is_done() and prepare_run(changed) == "redo"
+
+
 def test_run_still_executing_elsewhere_is_left_alone(tmp_path, monkeypatch):
     """A cell still running (e.g. one of a just-killed study saving its checkpoint) holds its run's .cell.lock:
     a new study waits for it, then refuses rather than delete or rerun the directory under it."""

@@ -75,20 +75,20 @@ def _read_json(path: Path) -> dict | None:
 def prepare_run(run: Run, threads: int | None = None) -> str:
     """Make ``run.dir`` ready for its cell and write its ``run.json``; say what was there.
 
-    Returns ``"new"``; ``"resume"``: an interrupted run of the same key (same command and config contents)
-    whose checkpoint is kept, the cell continues it; or ``"redo"``: the directory was deleted (another key,
-    a failed run retried, a run killed before its first checkpoint, or no run.json: an older layout).
+    Returns ``"new"``; ``"resume"``: an interrupted run of the same fingerprint (same command and config
+    contents, wherever the configs lie) whose checkpoint is kept, the cell continues it; or ``"redo"``: the
+    directory was deleted (another run, a failed run retried, a run killed before its first checkpoint, or no
+    run.json: an older layout).
     """
-    key = run.key()
     state = "new"
     if run.dir.exists():
         try:
             with cell_lock(run.dir):  # a cell still saving its checkpoint finishes first
                 previous, result = _read_json(run.run_path), run.load_result()
-                unfinished = result is None or (result.get("key") == key and result.get("status") == "interrupted")
+                unfinished = result is None or (run.owns(result) and result.get("status") == "interrupted")
                 files = StudyRunDir(run.dir)
                 resumable = files.resume_checkpoint() is not None or files.fit_done.is_file()
-                if previous is not None and previous.get("key") == key and unfinished and resumable:
+                if run.owns(previous) and unfinished and resumable:
                     state = "resume"
                 else:
                     shutil.rmtree(run.dir)
@@ -99,10 +99,22 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
             raise StudyError(f"{run.name}: {err}") from None
     run.dir.mkdir(parents=True, exist_ok=True)
     write_json(run.run_path, {"name": run.name, "task": run.task.name, "init": run.init.label,
-                              "init_method": run.init.name, "seed": run.seed, "key": key, "fit": run.fit_args(),
+                              "init_method": run.init.name, "seed": run.seed, "key": run.key(), "fit": run.fit_args(),
                               "test": run.study.test, "threads": threads})
     return state
 
+
+
+def _same_run(record: dict | None, spec: dict) -> bool:
+    """Whether ``record`` (an earlier result.json or fit record in the run's directory) is of the run that
+    ``spec`` (its run.json) describes: the same fingerprint, wherever the configs lie."""
+    from lightning_maskprior.study.spec import fingerprint_of
+
+    key = record.get("key") if isinstance(record, dict) else None
+    try:
+        return isinstance(key, dict) and fingerprint_of(key, spec["name"]) == fingerprint_of(spec["key"], spec["name"])
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
@@ -200,8 +212,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
     children = None if in_process else (children or _Children())
     start = time.time()
     previous = _read_json(files.result)
-    earlier = previous if previous and previous.get("key") == spec["key"] and \
-        previous.get("status") == "interrupted" else {}
+    earlier = previous if _same_run(previous, spec) and previous.get("status") == "interrupted" else {}
     result: dict[str, Any] = {
         "task": spec["task"], "init": spec["init"], "init_method": spec["init_method"], "seed": spec["seed"],
         "key": spec["key"], "commands": [], "host": socket.gethostname(), "pid": os.getpid(),
@@ -211,7 +222,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
     from lightning_maskprior.study.spec import format_command
 
     fit_record = _read_json(files.fit_done)
-    if fit_record is not None and fit_record.get("key") == spec["key"]:  # fitted before; the test was stopped
+    if _same_run(fit_record, spec):  # fitted before; the test was stopped
         rc, stage, fit_dir = 0, "fit", RunDir(fit_record["log_dir"])
         result["commands"].append(fit_record["command"])
     else:

@@ -119,7 +119,7 @@ def study_info(study: Study) -> dict[str, Any]:
 
 def _current(run: Run) -> dict | None:
     result = run.load_result()
-    return result if result is not None and result.get("key") == run.key() else None
+    return result if run.owns(result) else None
 
 
 def collect(study: Study, curves: bool = True) -> None:

@@ -345,16 +345,20 @@ class Run:
         return {"fit": self.fit_args(), "configs": configs, "test": self.study.test}
 
     def fingerprint(self) -> str:
-        """The key without this machine's paths: each config file by name and content, the run directory by its
-        place in the grid. The same run gives the same fingerprint in another checkout, out_dir or machine, so
-        results.csv (which records it) can stand for a finished run whose directory is not there."""
-        import hashlib
+        """The key without this machine's paths (see ``fingerprint_of``): the same run gives the same fingerprint in
+        another checkout, install location, out_dir or machine, so results.csv (which records it) can stand for a
+        finished run whose directory is not there."""
+        return fingerprint_of(self.key(), self.name)
 
-        configs = [f"{p.name}:{_file_hash(p)}" for p in [*self.task.configs, *self.init.configs]]
-        args = self.fit_args()
-        args = [a for a, previous in zip(args, ["", *args[:-1]], strict=True) if previous != "-c"][:-1]  # no paths
-        text = json.dumps({"configs": configs, "fit": args, "run": self.name, "test": self.study.test})
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    def owns(self, record: dict | None) -> bool:
+        """Whether a run.json / result.json / fit record was written for this run: its key has this run's
+        fingerprint. Compared without paths, so a study started from another install location (the configs'
+        absolute paths differ, their contents do not) keeps its finished and interrupted runs."""
+        key = record.get("key") if isinstance(record, dict) else None
+        try:
+            return isinstance(key, dict) and fingerprint_of(key, self.name) == self.fingerprint()
+        except (KeyError, TypeError, ValueError):
+            return False  # a record of an older layout: not this run's
 
     def load_result(self) -> dict | None:
         try:
@@ -366,13 +370,26 @@ class Run:
         """Finished with this key: ok or diverged (a result: rerunning diverges again), or failed and not retried.
         An interrupted run is never done: the next study resumes it."""
         result = self.load_result()
-        if result is None or result.get("key") != self.key():
+        if not self.owns(result):
             return False
         status = result.get("status")
         return status in ("ok", "diverged") or (status == "failed" and not self.study.retry_failed)
 
 
 _HASHES: dict[tuple[str, float], str] = {}
+
+
+def fingerprint_of(key: dict, name: str) -> str:
+    """A run's fingerprint from its key (``Run.key``) and name: each config file by name and content, the fit
+    command without the configs' paths and without its last argument (the run directory), the run's place in
+    the grid and the test choice."""
+    import hashlib
+
+    configs = [f"{Path(p).name}:{digest}" for p, digest in key["configs"].items()]
+    args = key["fit"]
+    args = [a for a, previous in zip(args, ["", *args[:-1]], strict=True) if previous != "-c"][:-1]
+    text = json.dumps({"configs": configs, "fit": args, "run": name, "test": key["test"]})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _file_hash(path: Path) -> str:

@@ -145,7 +145,7 @@ def finished_result(run: Run, returncode: int | None, error: str = "") -> dict:
     """The result of a run whose cell has ended: its result.json, or (a cell killed before writing one, e.g.
     out of memory, a node lost) a result written now from the cell's exit code and ``error``."""
     result = run.load_result()
-    if result is not None and result.get("key") == run.key():
+    if run.owns(result):
         return result
     from lightning_maskprior.run.status import status_from_returncode
 
