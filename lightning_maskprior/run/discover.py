@@ -6,6 +6,8 @@ The estimators live in :mod:`lightning_maskprior.discover`; this is the command 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import tempfile
 import warnings
@@ -88,9 +90,24 @@ def _datamodule(configs: list[str], overrides: list[str]) -> tuple[Any, MaskPrio
                                       "--model.init", "default",  # a config's own structure options do not carry:
                                       "--model.structure", "{pairs: [], symmetric: true, diagonal: true}",
                                       "--trainer.logger", "false"])[1:]
-    with tempfile.TemporaryDirectory(prefix="discover_") as root, warnings.catch_warnings():
+    with tempfile.TemporaryDirectory(prefix="discover_") as root, warnings.catch_warnings(), _quiet_lightning():
         warnings.simplefilter("ignore")
         cli = MaskPriorCLI(MaskPriorModule, L.LightningDataModule, subclass_mode_data=True, run=False,
                            args=[*argv, "--trainer.default_root_dir", root], auto_configure_optimizers=False,
                            save_config_callback=None)
     return cli.datamodule, cli.model
+
+
+@contextlib.contextmanager
+def _quiet_lightning():
+    """Lightning's info lines (seed, accelerator, precision, tips) while the command builds a trainer it never fits
+    with: the command's own output is the structure and its one-line summary."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
