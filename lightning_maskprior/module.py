@@ -263,7 +263,10 @@ class MaskPriorModule(L.LightningModule):
         self.mean_loss[stage].reset()
         if values:
             # Already identical on every rank; sync_dist only averages equal numbers.
-            self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
+            shown = self.objective.progress_metrics
+            bar = {k: v for k, v in values.items() if shown is None or k.split("/", 1)[1] in (*shown, "loss")}
+            self.log_dict(bar, prog_bar=stage == "val", sync_dist=True)
+            self.log_dict({k: v for k, v in values.items() if k not in bar}, sync_dist=True)
 
     def metric_tags(self) -> list[str]:
         """The tags validation and test log: ``val/<metric>`` and ``test/<metric>`` for each of the objective's

@@ -72,7 +72,8 @@ class RegressionObjective(Objective):
 
 
 class DigitsObjective(Objective):
-    """Cross-entropy per answer digit, with sequence accuracy (every digit right) and digit accuracy.
+    """Cross-entropy per answer digit, with sequence accuracy (every digit right), digit accuracy, and the accuracy
+    of each answer digit (``digit_acc_<k>``, k = 0 the most significant), which says where a model fails.
 
     The backbone predicts every digit in one pass: output (B, num_digits, base) per read-out token,
     or (B, num_digits * base) from a pooled head (digit-major). ``batch["digits"]`` is (B, num_digits).
@@ -84,6 +85,7 @@ class DigitsObjective(Objective):
 
     monitor = "seq_acc"
     monitor_mode = "max"
+    progress_metrics = ("seq_acc", "digit_acc")
 
     def __init__(self, num_digits: int, base: int = 10) -> None:
         super().__init__()
@@ -106,7 +108,9 @@ class DigitsObjective(Objective):
         return F.cross_entropy(logits.reshape(-1, self.base).float(), batch["digits"].reshape(-1))
 
     def make_metrics(self) -> MetricCollection:
-        return MetricCollection({"seq_acc": MeanMetric(), "digit_acc": MeanMetric()}, compute_groups=False)
+        per_digit = {f"digit_acc_{k}": MeanMetric() for k in range(self.num_digits)}
+        return MetricCollection({"seq_acc": MeanMetric(), "digit_acc": MeanMetric(), **per_digit},
+                                compute_groups=False)
 
     def predict(self, output: Tensor, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         return {"prediction": self.digit_logits(output).argmax(dim=-1)}
@@ -116,6 +120,8 @@ class DigitsObjective(Objective):
         correct = (logits.argmax(dim=-1) == batch["digits"]) & torch.isfinite(logits).all(dim=-1)  # NaN: wrong
         metrics["seq_acc"].update(correct.all(dim=1).float())
         metrics["digit_acc"].update(correct.float())
+        for k in range(self.num_digits):
+            metrics[f"digit_acc_{k}"].update(correct[:, k].float())
 
 
 class TokenPerplexity(Metric):

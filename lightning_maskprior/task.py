@@ -41,6 +41,8 @@ class Objective(nn.Module):
     # The metric that names the best checkpoint and the one printed first after fit.
     monitor: str = "loss"
     monitor_mode: str = "min"
+    # The metrics the progress bar shows (None: every one); the others are logged only.
+    progress_metrics: tuple[str, ...] | None = None
 
 
 @dataclass

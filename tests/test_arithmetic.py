@@ -169,6 +169,13 @@ def test_digit_metrics_and_loss():
     values = metrics.compute()
     assert values["seq_acc"].item() == pytest.approx(2 / 4)
     assert values["digit_acc"].item() == pytest.approx(9 / 12)
+    assert set(values) == {"seq_acc", "digit_acc", "digit_acc_0", "digit_acc_1", "digit_acc_2"}
+    # Each answer digit's accuracy, most significant first: here only the last digit is ever wrong.
+    metrics.reset()
+    last_wrong = torch.tensor([[1, 2, 0], [4, 5, 0], [7, 8, 9], [0, 0, 1]])
+    objective.update_metrics(metrics, torch.nn.functional.one_hot(last_wrong, 10).float(), batch)
+    values = metrics.compute()
+    assert [values[f"digit_acc_{k}"].item() for k in range(3)] == pytest.approx([1, 1, 1 / 4])
     # A pooled (B, digits * 10) output means the same, digit-major.
     metrics.reset()
     objective.update_metrics(metrics, logits.flatten(1), batch)
