@@ -105,18 +105,6 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
 
 
 
-def _same_run(record: dict | None, spec: dict) -> bool:
-    """Whether ``record`` (an earlier result.json or fit record in the run's directory) is of the run that
-    ``spec`` (its run.json) describes: the same fingerprint, wherever the configs lie."""
-    from lightning_maskprior.study.spec import fingerprint_of
-
-    key = record.get("key") if isinstance(record, dict) else None
-    try:
-        return isinstance(key, dict) and fingerprint_of(key, spec["name"]) == fingerprint_of(spec["key"], spec["name"])
-    except (KeyError, TypeError, ValueError):
-        return False
-
-
 def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     """The last ``lines`` lines of a text file ("" if it cannot be read)."""
     try:
@@ -211,18 +199,19 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
                                 "launching the cell")
     children = None if in_process else (children or _Children())
     start = time.time()
+    from lightning_maskprior.study.spec import format_command, same_run
+
     previous = _read_json(files.result)
-    earlier = previous if _same_run(previous, spec) and previous.get("status") == "interrupted" else {}
+    interrupted = same_run(previous, spec["key"], spec["name"]) and previous.get("status") == "interrupted"
+    earlier = previous if interrupted else {}
     result: dict[str, Any] = {
         "task": spec["task"], "init": spec["init"], "init_method": spec["init_method"], "seed": spec["seed"],
         "key": spec["key"], "commands": [], "host": socket.gethostname(), "pid": os.getpid(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "threads": spec.get("threads"),
         "started_at": start, "attempts": earlier.get("attempts", 1) + 1 if earlier else 1,
     }
-    from lightning_maskprior.study.spec import format_command
-
     fit_record = _read_json(files.fit_done)
-    if _same_run(fit_record, spec):  # fitted before; the test was stopped
+    if same_run(fit_record, spec["key"], spec["name"]):  # fitted before; the test was stopped
         rc, stage, fit_dir = 0, "fit", RunDir(fit_record["log_dir"])
         result["commands"].append(fit_record["command"])
     else:

@@ -354,11 +354,7 @@ class Run:
         """Whether a run.json / result.json / fit record was written for this run: its key has this run's
         fingerprint. Compared without paths, so a study started from another install location (the configs'
         absolute paths differ, their contents do not) keeps its finished and interrupted runs."""
-        key = record.get("key") if isinstance(record, dict) else None
-        try:
-            return isinstance(key, dict) and fingerprint_of(key, self.name) == self.fingerprint()
-        except (KeyError, TypeError, ValueError):
-            return False  # a record of an older layout: not this run's
+        return same_run(record, self.key(), self.name)
 
     def load_result(self) -> dict | None:
         try:
@@ -390,6 +386,16 @@ def fingerprint_of(key: dict, name: str) -> str:
     args = [a for a, previous in zip(args, ["", *args[:-1]], strict=True) if previous != "-c"][:-1]
     text = json.dumps({"configs": configs, "fit": args, "run": name, "test": key["test"]})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def same_run(record: dict | None, key: dict, name: str) -> bool:
+    """Whether ``record`` (a run.json, result.json or fit record) holds a key with the fingerprint of ``key`` for the
+    run ``name``: the same run, wherever its configs lie. A record of an older layout is not."""
+    theirs = record.get("key") if isinstance(record, dict) else None
+    try:
+        return isinstance(theirs, dict) and fingerprint_of(theirs, name) == fingerprint_of(key, name)
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def _file_hash(path: Path) -> str:
