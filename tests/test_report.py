@@ -323,8 +323,25 @@ def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch):
     assert again.curves[("2parity", "default", 0, "val/acc")] == result.curves[("2parity", "default", 0, "val/acc")]
     assert np.array_equal(again.maps[("2parity", "default")]["end"], result.maps[("2parity", "default")]["end"])
     assert again.runs_of("2parity", "mask")[0].fingerprint != result.runs_of("2parity", "mask")[0].fingerprint
+    # Studies run in parts join into one: from two result directories, each run's row comes from the first that
+    # finished it with the run's fingerprint (the copy's mask row is of the old command: the moved one's is taken).
+    joined = tmp_path / "joined"
+    config = {**config, "out_dir": str(joined), "results_from": [str(copy), str(moved)]}
+    lines.clear()
+    assert run_study(load_study(config, path), log=lambda *a, **k: lines.append(" ".join(map(str, a)))) == 0
+    assert f"2 of them kept from {copy}, {moved}), 0 to run" in lines[1]
+    both = load(joined)
+    assert both.runs_of("2parity", "default") == result.runs_of("2parity", "default")
+    assert both.runs_of("2parity", "mask") == again.runs_of("2parity", "mask")
+    assert both.curves[("2parity", "mask", 0, "val/acc")] == again.curves[("2parity", "mask", 0, "val/acc")]
+    assert np.array_equal(both.maps[("2parity", "mask")]["end"], again.maps[("2parity", "mask")]["end"])
+    assert not (joined / "2parity").exists()
     with pytest.raises(StudyError, match="results_from: '.*nowhere' is not a study's result directory"):
         load_study({**config, "results_from": str(tmp_path / "nowhere")})
+    with pytest.raises(StudyError, match="results_from: '.*nowhere' is not a study's result directory"):
+        load_study({**config, "results_from": [str(copy), str(tmp_path / "nowhere")]})
+    with pytest.raises(StudyError, match="results_from: 3 is neither a result directory nor a list"):
+        load_study({**config, "results_from": 3})
 
 
 def test_a_labelled_variant_gets_its_name_and_every_column_says_what_it_ran(tmp_path):

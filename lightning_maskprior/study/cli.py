@@ -123,11 +123,13 @@ def build_parser():
         "study's are deleted and redone. Without it such an out_dir is refused, naming the study it holds.",
     )
     parser.add_argument(
-        "--results_from", type=str | None, default=None,
+        "--results_from", type=list[str] | str | None, default=None,
         help="A result directory of this study made elsewhere (e.g. a committed docs/results/<name>, or an out_dir "
-        "on another machine): each finished row there whose fingerprint (fit command and config contents, without "
-        "paths) is the one a run here would have stands for that run, which is not run; its row, curves and maps "
-        "go into this out_dir's result files. A long grid continues this way from its data files alone.",
+        "on another machine), or a list of them ('[dir1, dir2]'): each finished row there whose fingerprint (fit "
+        "command and config contents, without paths) is the one a run here would have stands for that run, which "
+        "is not run; its row, curves and maps go into this out_dir's result files (from the first directory that "
+        "has it). A long grid continues this way from its data files alone, and studies run in parts (by task, "
+        "by seed) join into one table.",
     )
     parser.add_argument(
         "--launcher", type=str, default="local",
@@ -211,7 +213,8 @@ def _run_study(study: Study, launcher: Launcher, log=print) -> int:
         f"{len(study.seeds)} seeds) in {study.out_dir}")
     states = [prepare_run(run, study.threads_per_run) for run in todo]
     resumed = states.count("resume")
-    from_files = f"; {len(kept)} of them kept from {study.results_from}" if kept else ""
+    sources = ", ".join(map(str, study.results_from))
+    from_files = f"; {len(kept)} of them kept from {sources}" if kept else ""
     log(f"  {len(runs) - len(todo)} finished earlier (skipped{from_files}), {len(todo)} to run"
         f"{f' ({resumed} resumed from their last checkpoint)' if resumed else ''}; launcher {study.launcher}: "
         f"{launcher.describe()}")

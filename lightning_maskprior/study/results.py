@@ -12,8 +12,8 @@ run directories (``collect``) and read back without them (``load``), so a commit
                         (keys ``<task>/<init>/start``, ``.../end``, ``.../structure``, ``.../start_step``, ...)
 
 A study continues from these files alone (on another machine, in a checkout, on a cluster whose scratch was purged):
-given them as ``results_from``, each finished row whose fingerprint matches the run the study would run stands for
-that run, which is kept (row, curves, maps) and not rerun (:func:`kept_rows`).
+given them as ``results_from`` (one directory or several), each finished row whose fingerprint matches the run the
+study would run stands for that run, which is kept (row, curves, maps) and not rerun (:func:`kept_rows`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ SCORE, HALF_LIFE = "persistence/score", "persistence/half_life"
 MAX_POINTS = 120  # per (run, tag) series in curves.csv.gz: enough for a smooth line, small enough to commit
 FRACTION_OPTION = "--data.init_args.train_fraction"
 SUMMARY = re.compile(r"^persistence/[^/]+$")  # the means over layers and heads, not per-head series
+FINISHED = ("ok", "diverged")  # the statuses of a run that is not run again
 
 
 @dataclass
@@ -129,7 +130,7 @@ def collect(study: Study, curves: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out / STUDY_FILE, json.dumps(study_info(study), indent=1) + "\n")
     # results_from is read before out_dir's files are rewritten: it may be out_dir itself
-    previous = load(study.results_from, maps=curves) if study.results_from is not None else None
+    previous = load_previous(study, maps=curves)
     kept = kept_rows(study, previous)
     results = [(run, _current(run)) for run in study.runs()]
     tags = sorted({m.tag for t in study.tasks for m in t.metrics} | {SCORE, HALF_LIFE})
@@ -159,13 +160,37 @@ def collect(study: Study, curves: bool = True) -> None:
                     [run for run in from_files if run.seed == study.seeds[0]])
 
 
+def load_previous(study: Study, maps: bool = True) -> ResultSet | None:
+    """The result directories of ``study.results_from`` read as one (None if there are none): for each run of the
+    study, the row of the first directory that finished it with the run's fingerprint, with that directory's
+    curves of it (and its maps, for the first seed). Rows that match no run of the study are left out."""
+    sets = [load(path, maps=maps) for path in study.results_from]
+    if len(sets) <= 1:
+        return sets[0] if sets else None
+    wanted = {(run.task.name, run.init.label, run.seed): run.fingerprint() for run in study.runs()}
+    merged = ResultSet(sets[0].path, sets[0].title, sets[0].seeds, sets[0].paper_tables, sets[0].tasks,
+                       sets[0].inits, runs=[], curves={}, maps={} if maps else None)
+    taken: set[tuple[str, str, int]] = set()
+    for found in sets:
+        for row in found.runs:
+            key = (row.task, row.init, row.seed)
+            if key in taken or row.status not in FINISHED or not row.fingerprint or wanted.get(key) != row.fingerprint:
+                continue
+            taken.add(key)
+            merged.runs.append(row)
+            merged.curves.update({k: v for k, v in (found.curves or {}).items() if k[:3] == key})
+            if maps and row.seed == study.seeds[0] and (row.task, row.init) in (found.maps or {}):
+                merged.maps[(row.task, row.init)] = found.maps[(row.task, row.init)]
+    return merged
+
+
 def kept_rows(study: Study, previous: ResultSet | None = None) -> dict[str, RunRow]:
     """The finished rows (ok or diverged) of ``study.results_from`` (``previous``, if already loaded) that stand
     for runs whose directory has no result of their own, by run name: those whose fingerprint is the run's."""
-    if study.results_from is None:
+    if not study.results_from:
         return {}
-    rows = (previous if previous is not None else load(study.results_from, maps=False)).runs
-    by_name = {f"{r.task}/{r.init}/seed{r.seed}": r for r in rows if r.status in ("ok", "diverged") and r.fingerprint}
+    rows = (previous if previous is not None else load_previous(study, maps=False)).runs
+    by_name = {f"{r.task}/{r.init}/seed{r.seed}": r for r in rows if r.status in FINISHED and r.fingerprint}
     return {run.name: by_name[run.name] for run in study.runs() if run.name in by_name
             and by_name[run.name].fingerprint == run.fingerprint() and run.load_result() is None}
 

@@ -78,7 +78,8 @@ class Study:
     paper_tables: list[str] = field(default_factory=list)
     retry_failed: bool = True
     replace_out_dir: bool = False  # run in an out_dir that holds another study's runs (they are redone)
-    results_from: Path | None = None  # a result directory whose finished rows stand for runs not run here
+    results_from: list[Path] = field(default_factory=list)  # result directories whose finished rows stand for
+    # runs not run here (the first directory with a row of the run's fingerprint gives it)
     launcher: str = "local"
     gpus_per_run: int | None = None  # None: the launcher's default (local: 1 when CUDA is present, else 0)
     launcher_options: dict[str, Any] = field(default_factory=dict)  # the launcher's own settings
@@ -291,14 +292,19 @@ def load_study(cfg: Any, path: Path | None = None, known_inits: set[str] | None 
     )
 
 
-def _results_from(value: Any) -> Path | None:
-    if value in (None, ""):
-        return None
-    path = Path(value).expanduser()
-    if not (path / "results.csv").is_file() or not (path / "study.json").is_file():
-        raise StudyError(f"results_from: {str(value)!r} is not a study's result directory (expected one holding "
-                         "study.json and results.csv, e.g. docs/results/<name>)")
-    return path.resolve()
+def _results_from(value: Any) -> list[Path]:
+    """One result directory or a list of them (None or "": none)."""
+    values = [] if value in (None, "") else [value] if isinstance(value, (str, Path)) else value
+    if not isinstance(values, (list, tuple)):
+        raise StudyError(f"results_from: {value!r} is neither a result directory nor a list of them")
+    paths = []
+    for item in values:
+        path = Path(str(item)).expanduser()
+        if not (path / "results.csv").is_file() or not (path / "study.json").is_file():
+            raise StudyError(f"results_from: {str(item)!r} is not a study's result directory (expected one holding "
+                             "study.json and results.csv, e.g. docs/results/<name>)")
+        paths.append(path.resolve())
+    return paths
 
 
 def _check_unique(names: list[str], where: str) -> None:
