@@ -449,9 +449,9 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
 
 
 def test_the_same_study_from_another_install_location_keeps_its_runs(tmp_path, monkeypatch):
-    """Runs are matched by fingerprint (command and config contents, no paths): the same configs at another
-    path (a reinstall, a moved checkout) keep a finished run and resume an interrupted one; changed contents
-    redo it."""
+    """Runs are matched by fingerprint (command and parsed config contents, no paths): the same configs at another
+    path (a reinstall, a moved checkout) keep a finished run and resume an interrupted one, as does an edited
+    comment; a changed value redoes it."""
     monkeypatch.chdir(ROOT)
     first, second = tmp_path / "first", tmp_path / "second"
     for where in (first, second):
@@ -475,7 +475,12 @@ def test_the_same_study_from_another_install_location_keeps_its_runs(tmp_path, m
     run.result_path.unlink()  # interrupted under the first path: its checkpoint stays
     (run.dir / "fit.json").unlink()
     assert prepare_run(run) == "resume"
-    (second / "2parity.yaml").write_text((second / "2parity.yaml").read_text() + "\n# changed\n")
+    # The contents are what the config parses to: an edited comment is the same run, a changed value is not.
+    text = (second / "2parity.yaml").read_text()
+    (second / "2parity.yaml").write_text("# an edited comment\n" + text)
+    assert prepare_run(load_study(moved).runs()[0]) == "resume"
+    assert "max_epochs: 10" in text
+    (second / "2parity.yaml").write_text(text.replace("max_epochs: 10", "max_epochs: 11"))
     changed = load_study(moved).runs()[0]
     assert not changed.is_done() and prepare_run(changed) == "redo"
 

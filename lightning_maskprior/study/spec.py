@@ -382,9 +382,9 @@ _HASHES: dict[tuple[str, float], str] = {}
 
 
 def fingerprint_of(key: dict, name: str) -> str:
-    """A run's fingerprint from its key (``Run.key``) and name: each config file by name and content, the fit
-    command without the configs' paths and without its last argument (the run directory), the run's place in
-    the grid and the test choice."""
+    """A run's fingerprint from its key (``Run.key``) and name: each config file by name and parsed content
+    (``config_digest``), the fit command without the configs' paths and without its last argument (the run
+    directory), the run's place in the grid and the test choice."""
     import hashlib
 
     configs = [f"{Path(p).name}:{digest}" for p, digest in key["configs"].items()]
@@ -405,12 +405,25 @@ def same_run(record: dict | None, key: dict, name: str) -> bool:
 
 
 def _file_hash(path: Path) -> str:
-    import hashlib
-
     stamp = (str(path), path.stat().st_mtime)
     if stamp not in _HASHES:
-        _HASHES[stamp] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        _HASHES[stamp] = config_digest(path.read_text())
     return _HASHES[stamp]
+
+
+def config_digest(text: str) -> str:
+    """The digest of a YAML config's content: of what it parses to, so an edited comment, a re-indented list or
+    reordered keys leave it (and the fingerprint of every run using the file) unchanged, while any changed value
+    changes it. Text that is not YAML is digested as it is."""
+    import hashlib
+
+    import yaml
+
+    try:
+        content = json.dumps(yaml.safe_load(text), sort_keys=True, default=str)
+    except yaml.YAMLError:
+        content = text
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
 
 def format_command(args: list[str]) -> str:
     import shlex
