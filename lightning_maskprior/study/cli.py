@@ -10,9 +10,9 @@ checkpoints, console output, the ``run.json`` the study wrote and the ``result.j
 Each run is one self-contained command (``python -m lightning_maskprior.study.cell <run_dir>``), started
 by a launcher: local processes (disjoint GPU slots with ``gpus_per_run``), SLURM or Ray. A run with a
 ``result.json`` from the same command and config contents (what the configs parse to, wherever they lie: an
-edited comment, a reinstall or a moved checkout keeps them) is finished and skipped when the study is run again; an interrupted
-one resumes from its ``last.ckpt``; a failed one is recorded with the tail of its stderr, the study goes on.
-While it runs, a study holds ``<out_dir>/.study.lock``, so a second study in the same directory fails
+edited comment, a reinstall or a moved checkout keeps them) is finished and skipped when the study is run again;
+an interrupted one resumes from its ``last.ckpt``; a failed one is recorded with the tail of its stderr, the study
+goes on. While it runs, a study holds ``<out_dir>/.study.lock``, so a second study in the same directory fails
 at once instead of taking over the first one's unfinished runs.
 After every run the study writes its data files into out_dir (``study.json``, ``results.csv``: one row per run)
 and ``table.md`` / ``table.csv`` / ``per_seed.csv`` (mean +- std over seeds, the paper's numbers beneath ours); at
