@@ -15,6 +15,9 @@ EXIT_DIVERGED = 3
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
 EXIT_SIGINT = 128 + signal.SIGINT  # 130
 
+#: The statuses of a run that ended with a result (its metrics are read; a study does not run it again).
+FINISHED = ("ok", "diverged")
+
 INTERRUPTED_CODES = frozenset({EXIT_SIGTERM, EXIT_SIGINT, 128 + getattr(signal, "SIGUSR1", 10),
                                128 + getattr(signal, "SIGUSR2", 12), 128 + getattr(signal, "SIGHUP", 1)})
 

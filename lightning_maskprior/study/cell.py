@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_maskprior.run.rundir import RunDir, StudyRunDir
-from lightning_maskprior.run.status import status_from_returncode
+from lightning_maskprior.run.status import FINISHED, status_from_returncode
 from lightning_maskprior.study.launchers import start_child, write_json
 
 if TYPE_CHECKING:
@@ -248,7 +248,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
     end = time.time()
     result.update(status=status, stage=stage, returncode=rc, ended_at=end,
                   seconds=round(earlier.get("seconds", 0.0) + end - start, 1))
-    if status in ("ok", "diverged"):
+    if status in FINISHED:
         from lightning_maskprior.run.tensorboard import last_scalars
 
         result["metrics"] = last_scalars(run_dir)

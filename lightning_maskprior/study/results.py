@@ -32,6 +32,7 @@ from typing import Any
 from lightning_maskprior.run import atomic
 from lightning_maskprior.run.config_files import option_values
 from lightning_maskprior.run.rundir import StudyRunDir
+from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study.spec import Metric, Run, Study
 
 STUDY_FILE, RESULTS_FILE, CURVES_FILE, MAPS_FILE = "study.json", "results.csv", "curves.csv.gz", "attention_maps.npz"
@@ -39,7 +40,6 @@ SCORE, HALF_LIFE = "persistence/score", "persistence/half_life"
 MAX_POINTS = 120  # per (run, tag) series in curves.csv.gz: enough for a smooth line, small enough to commit
 FRACTION_OPTION = "--data.init_args.train_fraction"
 SUMMARY = re.compile(r"^persistence/[^/]+$")  # the means over layers and heads, not per-head series
-FINISHED = ("ok", "diverged")  # the statuses of a run that is not run again
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_maskprior.run import config_files
 from lightning_maskprior.run.rundir import StudyRunDir
+from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study import paper_results
 
 
@@ -375,7 +376,7 @@ class Run:
         if not self.owns(result):
             return False
         status = result.get("status")
-        return status in ("ok", "diverged") or (status == "failed" and not self.study.retry_failed)
+        return status in FINISHED or (status == "failed" and not self.study.retry_failed)
 
 
 _HASHES: dict[tuple[str, float], str] = {}
@@ -424,6 +425,7 @@ def config_digest(text: str) -> str:
     except yaml.YAMLError:
         content = text
     return hashlib.sha256(content.encode()).hexdigest()[:16]
+
 
 def format_command(args: list[str]) -> str:
     import shlex

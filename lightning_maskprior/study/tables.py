@@ -11,6 +11,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study import paper_results
 from lightning_maskprior.study.results import HALF_LIFE, SCORE, InitInfo, ResultSet, RunRow, TaskInfo
 from lightning_maskprior.study.spec import Metric
@@ -154,7 +155,7 @@ def _describe(metric: Metric) -> str:
 
 
 def _precisions(result: ResultSet) -> str:
-    counted = [r for r in result.runs if r.status in ("ok", "diverged")]
+    counted = [r for r in result.runs if r.status in FINISHED]
     known = [r.precision for r in counted if r.precision]
     if not known:
         return "not recorded (these runs predate result.json's precision field)"
