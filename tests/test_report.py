@@ -269,7 +269,7 @@ def test_readme_results_are_what_report_generates():
 
 
 # -------------------------------------------------------------------------------- a real tiny study
-def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch):
+def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch, capsys):
     """Real runs: the study's data files alone (no run directory) regenerate its tables, as --table_only does."""
     monkeypatch.chdir(ROOT)
     persistence = [{"class_path": "lightning_maskprior.callbacks.PriorPersistence",
@@ -314,6 +314,11 @@ def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch):
     config = study_dict(moved, inits=["default", {"name": "mask", "args": ["--model.prior_weight_decay", "null"]}],
                         seeds=[0], args=args, test=False, metrics=[{"tag": "val/mse", "label": "MSE"}],
                         curves=["val/acc"], results_from=str(copy))
+    path.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    main(["study", "-c", str(path), "--dry_run", "true"])  # says beforehand what results_from keeps
+    printed = capsys.readouterr().out
+    assert "[kept from results_from] 2parity/default/seed0" in printed and "[to run] 2parity/mask/seed0" in printed
     lines = []
     assert run_study(load_study(config, path), log=lambda *a, **k: lines.append(" ".join(map(str, a)))) == 0
     assert f"1 of them kept from {copy}), 1 to run" in lines[1]

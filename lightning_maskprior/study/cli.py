@@ -158,7 +158,7 @@ def build_parser():
     )
     parser.add_argument("--dry_run", type=bool, default=False,
         help="Validate the study, parse every run's full fit command (a misspelled option fails here) and print "
-        "the commands; run nothing.")
+        "the commands, each marked finished, kept from results_from or to run; run nothing.")
     parser.add_argument("--table_only", type=bool, default=False,
         help="Rebuild the result files, tables and figures from finished runs; run nothing (the same outputs as "
         "`maskprior report <out_dir>` after the study).")
@@ -289,9 +289,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{path or 'study'}: {err}")
     if cfg.dry_run:
         runs = study.runs()
+        kept = kept_rows(study)  # what results_from would carry over: the study would not run these
         print(f"study {study.title}: {len(runs)} runs, valid ({checked} distinct fit commands parsed); commands:")
         for run in runs:
-            status = "finished" if run.is_done() else "to run"
+            status = "finished" if run.is_done() else "kept from results_from" if run.name in kept else "to run"
             print(f"[{status}] {run.name}: {format_command(run.fit_args())}")
         return
     if cfg.table_only:
