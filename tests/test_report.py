@@ -129,6 +129,16 @@ def test_which_way_is_better_a_cost_and_a_count():
         assert row in _table(Result(), "t", [(Task(), cells)], 1, 2, better)
 
 
+def test_a_value_too_small_for_the_digits_is_not_printed_as_zero():
+    """An MSE of 4.2e-05 at 4 decimals is not 0.0000: such a mean (and its std) keeps two significant digits."""
+    from lightning_maskprior.study.tables import Cell, _cell_text
+
+    assert _cell_text(Cell(mean=4.182e-05, n=1), 4, 1) == "4.2e-05"
+    assert _cell_text(Cell(mean=0.037, std=0.008, n=3), 1, 3) == "3.7e-02 ± 8.0e-03"
+    assert _cell_text(Cell(mean=0.0, std=0.0, n=3), 2, 3) == "0.00 ± 0.00"  # a true zero stays as it is
+    assert _cell_text(Cell(mean=0.00006, std=0.00001, n=3), 4, 3) == "0.0001 ± 0.0000"  # rounds to a nonzero value
+
+
 def test_ties_are_not_bold(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     path = write_result_dir(tmp_path / "fake", curves=False, inits=["default", "qk_opt"])

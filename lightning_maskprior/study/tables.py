@@ -97,12 +97,20 @@ def _number(value: float | None, digits: int) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _tiny(value: float, digits: int) -> bool:
+    """Nonzero, yet 0 at ``digits`` decimals (an MSE of 4.2e-05 is not 0.0000)."""
+    return value != 0 and abs(value) < 0.5 * 10.0**-digits
+
+
 def _cell_text(cell: Cell, digits: int, seeds: int) -> str:
     if cell.text is not None:
         return cell.text
     if cell.mean is None:
         return f"diverged ({cell.diverged}/{seeds} seeds)" if cell.diverged else "–"
-    text = _number(cell.mean, digits) + ("" if cell.std is None else f" ± {_number(cell.std, digits)}")
+    if _tiny(cell.mean, digits):  # mean and std in two significant digits
+        text = f"{cell.mean:.1e}" + ("" if cell.std is None else f" ± {cell.std:.1e}")
+    else:
+        text = _number(cell.mean, digits) + ("" if cell.std is None else f" ± {_number(cell.std, digits)}")
     if cell.n < seeds:
         text += f" ({cell.n}/{seeds} seeds{f', {cell.diverged} diverged' if cell.diverged else ''})"
     return text
