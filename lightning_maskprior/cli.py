@@ -13,6 +13,7 @@ nothing here is imported back by the modules it dispatches to.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from lightning_maskprior.run import checks, config_files
@@ -28,6 +29,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``maskprior`` console script (``args`` without the program name; None: ``sys.argv``)."""
+    try:
+        _dispatch(args)
+        sys.stdout.flush()  # a reader that went away fails here, inside the handler, not at interpreter exit
+    except BrokenPipeError:
+        # The output's reader stopped early (`maskprior configs | head -3`): end quietly, as Unix tools do
+        # (exit status 128 + SIGPIPE), without a traceback or a second error from flushing at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+
+
+def _dispatch(args: list[str] | None) -> None:
     argv = config_files.resolve_argv(sys.argv[1:] if args is None else list(args))  # -c NAME: packaged configs
     command = argv[0] if argv else None
     if command not in COMMANDS:

@@ -2,6 +2,8 @@
 
 import csv
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -47,6 +49,17 @@ def test_configs_command_lists_and_copies(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "configs/init/mask.yaml").read_text() == (CONFIGS / "init/mask.yaml").read_text()
     with pytest.raises(SystemExit):
         main(["configs", "copy", "init/none.yaml"])
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`maskprior configs | head -1`: the listing's reader closes the pipe first; the command ends quietly with
+    128 + SIGPIPE, as Unix tools do, instead of a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_maskprior.cli", "configs"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command has started: every write it makes fails
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_study_task_configs_resolve_by_short_name(tmp_path):
