@@ -448,6 +448,36 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert prepare_run(run) == "redo" and not (run.dir / "marker.txt").exists()
 
 
+def test_interrupted_runs_go_first(tmp_path, monkeypatch):
+    """A restarted study runs its interrupted runs before new ones (they are closest to done), the rest in the
+    study's order (seed by seed)."""
+    from lightning_maskprior.study import cli as study_cli
+
+    monkeypatch.chdir(ROOT)
+    study = load_study(tiny_study(tmp_path / "out"))
+    interrupted = {"majority3/mask/seed0", "2parity/default/seed1"}
+    monkeypatch.setattr(study_cli, "prepare_run",
+                        lambda run, threads=None: "resume" if run.name in interrupted else "new")
+    given = []
+
+    class Recorder:
+        def describe(self):
+            return "recorded"
+
+        def run(self, todo, report):
+            given.extend(run.name for run in todo)
+
+        def stop(self):
+            pass
+
+    lines = []
+    study_cli._run_study(study, Recorder(), log=lambda line, **kw: lines.append(line))
+    assert "8 to run (2 resumed from their last checkpoint)" in lines[1]
+    assert given == ["majority3/mask/seed0", "2parity/default/seed1",  # the study's order among them too
+                     "2parity/default/seed0", "2parity/mask/seed0", "majority3/default/seed0",
+                     "2parity/mask/seed1", "majority3/default/seed1", "majority3/mask/seed1"]
+
+
 def test_the_same_study_from_another_install_location_keeps_its_runs(tmp_path, monkeypatch):
     """Runs are matched by fingerprint (command and parsed config contents, no paths): the same configs at another
     path (a reinstall, a moved checkout) keep a finished run and resume an interrupted one, as does an edited
