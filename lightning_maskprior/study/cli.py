@@ -215,7 +215,7 @@ def _run_study(study: Study, launcher: Launcher, log=print) -> int:
     resumed = states.count("resume")
     # Interrupted runs first (closest to done, and their checkpoints were made for this moment), then the rest in
     # the study's order.
-    todo = [run for run, state in sorted(zip(todo, states), key=lambda pair: pair[1] != "resume")]
+    todo = [run for run, _ in sorted(zip(todo, states, strict=True), key=lambda pair: pair[1] != "resume")]
     sources = ", ".join(map(str, study.results_from))
     from_files = f"; {len(kept)} of them kept from {sources}" if kept else ""
     log(f"  {len(runs) - len(todo)} finished earlier (skipped{from_files}), {len(todo)} to run"

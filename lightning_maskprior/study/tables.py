@@ -102,12 +102,13 @@ def _tiny(value: float, digits: int) -> bool:
     return value != 0 and abs(value) < 0.5 * 10.0**-digits
 
 
-def _cell_text(cell: Cell, digits: int, seeds: int) -> str:
+def _cell_text(cell: Cell, digits: int, seeds: int, small: bool = False) -> str:
+    """``small``: a mean too small for ``digits`` keeps two significant digits (metrics; not wall times)."""
     if cell.text is not None:
         return cell.text
     if cell.mean is None:
         return f"diverged ({cell.diverged}/{seeds} seeds)" if cell.diverged else "–"
-    if _tiny(cell.mean, digits):  # mean and std in two significant digits
+    if small and _tiny(cell.mean, digits):  # mean and std in two significant digits
         text = f"{cell.mean:.1e}" + ("" if cell.std is None else f" ± {cell.std:.1e}")
     else:
         text = _number(cell.mean, digits) + ("" if cell.std is None else f" ± {_number(cell.std, digits)}")
@@ -126,13 +127,13 @@ def best(cells: list[Cell], digits: int, better: str) -> set[int]:
 
 
 def _table(result: ResultSet, title: str, rows: list[tuple[TaskInfo, list[Cell]]], digits: int, level: int,
-           better: str | None = None) -> list[str]:
+           better: str | None = None, small: bool = False) -> list[str]:
     header = ["task", *(method_label(i) for i in result.inits)]
     lines = [f"{'#' * level} {title}", "", "| " + " | ".join(header) + " |",
              "|---|" + "---:|" * len(result.inits)]
     for task, cells in rows:
         bold = best(cells, digits, better) if better in ("higher", "lower") else set()
-        texts = [_cell_text(c, digits, len(result.seeds)) for c in cells]
+        texts = [_cell_text(c, digits, len(result.seeds), small) for c in cells]
         texts = [f"**{t}**" if i in bold else t for i, t in enumerate(texts)]
         lines.append("| " + " | ".join([task.name, *texts]) + " |")
         if any(c.paper is not None for c in cells):
@@ -186,7 +187,7 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
              f"{result.seeds}: {_count(len(result.runs), 'run')}, {ok} ok. Mean ± sample std over seeds; precision: "
              f"{_precisions(result)}.", ""]
     for metric, rows in metric_tables(result):
-        lines += _table(result, _describe(metric), rows, metric.digits, sub, metric.better)
+        lines += _table(result, _describe(metric), rows, metric.digits, sub, metric.better, small=True)
     extra = [("Wall time per run (minutes)", wall_cell, 1),
              ("Persistence score at the end (attention mass on the structure / its value at step 0)", score_cell, 3),
              ("Half-life (optimizer steps until the persistence score falls below 0.5)", half_life_cell, 0)]
