@@ -141,6 +141,17 @@ def test_a_value_too_small_for_the_digits_is_not_printed_as_zero():
     assert _cell_text(Cell(mean=0.016, std=0.001, n=3), 1, 3) == "0.0 ± 0.0"  # wall minutes of a tiny run: a cost
 
 
+def test_bold_goes_by_the_printed_mean():
+    """Two tiny means printed apart (4.2e-05, 2.0e-05) are not a tie at 4 decimals: only the better is bold; means
+    printed alike are (nothing to mark)."""
+    from lightning_maskprior.study.tables import Cell, best
+
+    tiny = [Cell(mean=4.2e-05, n=1), Cell(mean=2.0e-05, n=1), Cell(mean=0.5, n=1)]
+    assert best(tiny, 4, "lower", small=True) == {1}
+    assert best(tiny, 4, "lower") == {0, 1}  # wall-time tables round to the digits: both print 0.0000
+    assert best([Cell(mean=2.01e-05, n=1), Cell(mean=2.04e-05, n=1)], 4, "lower", small=True) == set()
+
+
 def test_ties_are_not_bold(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     path = write_result_dir(tmp_path / "fake", curves=False, inits=["default", "qk_opt"])

@@ -205,19 +205,30 @@ def check_out_dir_owner(study: Study) -> None:
         )
 
 
+KEPT = "kept from results_from"
+
+
+def run_states(study: Study) -> list[tuple[Run, str]]:
+    """Each run with what the study does with it: "finished" (its directory holds its result), "kept from
+    results_from" (only the result files there record it: a study moved, restored or run in parts) or "to run"."""
+    kept = kept_rows(study)
+    return [(run, "finished" if run.is_done() else KEPT if run.name in kept else "to run") for run in study.runs()]
+
+
 def _run_study(study: Study, launcher: Launcher, log=print) -> int:
-    runs = study.runs()
-    kept = kept_rows(study)  # finished runs that only the result files record (a study moved or restored)
-    todo = [run for run in runs if not run.is_done() and run.name not in kept]
+    states = run_states(study)
+    runs = [run for run, _ in states]
+    kept = sum(state == KEPT for _, state in states)
+    todo = [run for run, state in states if state == "to run"]
     log(f"study {study.title}: {len(runs)} runs ({len(study.tasks)} tasks x {len(study.inits)} inits x "
         f"{len(study.seeds)} seeds) in {study.out_dir}")
-    states = [prepare_run(run, study.threads_per_run) for run in todo]
-    resumed = states.count("resume")
+    prepared = [prepare_run(run, study.threads_per_run) for run in todo]
+    resumed = prepared.count("resume")
     # Interrupted runs first (closest to done, and their checkpoints were made for this moment), then the rest in
     # the study's order.
-    todo = [run for run, _ in sorted(zip(todo, states, strict=True), key=lambda pair: pair[1] != "resume")]
+    todo = [run for run, _ in sorted(zip(todo, prepared, strict=True), key=lambda pair: pair[1] != "resume")]
     sources = ", ".join(map(str, study.results_from))
-    from_files = f"; {len(kept)} of them kept from {sources}" if kept else ""
+    from_files = f"; {kept} of them kept from {sources}" if kept else ""
     log(f"  {len(runs) - len(todo)} finished earlier (skipped{from_files}), {len(todo)} to run"
         f"{f' ({resumed} resumed from their last checkpoint)' if resumed else ''}; launcher {study.launcher}: "
         f"{launcher.describe()}")
@@ -291,12 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     except StudyError as err:
         parser.error(f"{path or 'study'}: {err}")
     if cfg.dry_run:
-        runs = study.runs()
-        kept = kept_rows(study)  # what results_from would carry over: the study would not run these
-        print(f"study {study.title}: {len(runs)} runs, valid ({checked} distinct fit commands parsed); commands:")
-        for run in runs:
-            status = "finished" if run.is_done() else "kept from results_from" if run.name in kept else "to run"
-            print(f"[{status}] {run.name}: {format_command(run.fit_args())}")
+        states = run_states(study)
+        print(f"study {study.title}: {len(states)} runs, valid ({checked} distinct fit commands parsed); commands:")
+        for run, state in states:
+            print(f"[{state}] {run.name}: {format_command(run.fit_args())}")
         return
     if cfg.table_only:
         study.out_dir.mkdir(parents=True, exist_ok=True)

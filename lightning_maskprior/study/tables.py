@@ -102,6 +102,12 @@ def _tiny(value: float, digits: int) -> bool:
     return value != 0 and abs(value) < 0.5 * 10.0**-digits
 
 
+def _shown(mean: float, digits: int, small: bool) -> float:
+    """The mean as the table prints it: rounded to ``digits``, or to two significant digits when ``small``
+    keeps a tiny one (see ``_cell_text``)."""
+    return float(f"{mean:.1e}") if small and _tiny(mean, digits) else round(mean, digits)
+
+
 def _cell_text(cell: Cell, digits: int, seeds: int, small: bool = False) -> str:
     """``small``: a mean too small for ``digits`` keeps two significant digits (metrics; not wall times)."""
     if cell.text is not None:
@@ -117,9 +123,10 @@ def _cell_text(cell: Cell, digits: int, seeds: int, small: bool = False) -> str:
     return text
 
 
-def best(cells: list[Cell], digits: int, better: str) -> set[int]:
-    """Indices of the best means at the printed precision; none when fewer than two differ (nothing to mark)."""
-    shown = {i: round(c.mean, digits) for i, c in enumerate(cells) if c.mean is not None and c.text is None}
+def best(cells: list[Cell], digits: int, better: str, small: bool = False) -> set[int]:
+    """Indices of the best means as printed (``small``: see ``_cell_text``); none when fewer than two differ
+    (nothing to mark)."""
+    shown = {i: _shown(c.mean, digits, small) for i, c in enumerate(cells) if c.mean is not None and c.text is None}
     if len(set(shown.values())) < 2:
         return set()
     top = (min if better == "lower" else max)(shown.values())
@@ -132,7 +139,7 @@ def _table(result: ResultSet, title: str, rows: list[tuple[TaskInfo, list[Cell]]
     lines = [f"{'#' * level} {title}", "", "| " + " | ".join(header) + " |",
              "|---|" + "---:|" * len(result.inits)]
     for task, cells in rows:
-        bold = best(cells, digits, better) if better in ("higher", "lower") else set()
+        bold = best(cells, digits, better, small) if better in ("higher", "lower") else set()
         texts = [_cell_text(c, digits, len(result.seeds), small) for c in cells]
         texts = [f"**{t}**" if i in bold else t for i, t in enumerate(texts)]
         lines.append("| " + " | ".join([task.name, *texts]) + " |")
