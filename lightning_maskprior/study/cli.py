@@ -217,10 +217,9 @@ def run_states(study: Study) -> list[tuple[Run, str]]:
 
 def _run_study(study: Study, launcher: Launcher, log=print) -> int:
     states = run_states(study)
-    runs = [run for run, _ in states]
     kept = sum(state == KEPT for _, state in states)
     todo = [run for run, state in states if state == "to run"]
-    log(f"study {study.title}: {len(runs)} runs ({len(study.tasks)} tasks x {len(study.inits)} inits x "
+    log(f"study {study.title}: {len(states)} runs ({len(study.tasks)} tasks x {len(study.inits)} inits x "
         f"{len(study.seeds)} seeds) in {study.out_dir}")
     prepared = [prepare_run(run, study.threads_per_run) for run in todo]
     resumed = prepared.count("resume")
@@ -229,7 +228,7 @@ def _run_study(study: Study, launcher: Launcher, log=print) -> int:
     todo = [run for run, _ in sorted(zip(todo, prepared, strict=True), key=lambda pair: pair[1] != "resume")]
     sources = ", ".join(map(str, study.results_from))
     from_files = f"; {kept} of them kept from {sources}" if kept else ""
-    log(f"  {len(runs) - len(todo)} finished earlier (skipped{from_files}), {len(todo)} to run"
+    log(f"  {len(states) - len(todo)} finished earlier (skipped{from_files}), {len(todo)} to run"
         f"{f' ({resumed} resumed from their last checkpoint)' if resumed else ''}; launcher {study.launcher}: "
         f"{launcher.describe()}")
 
