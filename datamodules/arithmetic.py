@@ -1,14 +1,24 @@
 """Low-data arithmetic: every ordered pair of 3-digit operands, a small seeded fraction to train on.
 
-Digit order (tokens and labels): most significant digit first, as written. For a + b with 3-digit
-operands the input tokens are ``[a2 a1 a0 b2 b1 b0]`` (a = 100 a2 + 10 a1 + a0) and the answer
-digits are ``[s3 s2 s1 s0]`` (4 for addition, 6 for multiplication, zero-padded to fixed width).
-With ``answer_tokens`` the inputs also carry one blank token (id 10) per answer digit, in the same
-order, and the backbone reads each answer digit at its token (``pooling: tokens``); without it the
-backbone sees the 6 digits only and predicts all answer digits from one pooled vector.
+Digit order (tokens and labels): most significant digit first, as written, unless ``operand_order`` or
+``answer_order`` say ``lsd_first``. For a + b with 3-digit operands the input tokens are ``[a2 a1 a0 b2 b1 b0]``
+(a = 100 a2 + 10 a1 + a0) and the answer digits are ``[s3 s2 s1 s0]`` (4 for addition, 6 for multiplication,
+zero-padded to fixed width).
+
+The paper predicts "the whole answer in one forward pass" from the digit tokens alone; three read-outs are
+readings of that sentence:
+
+- pooled (the default): the backbone sees the 6 digits only and predicts every answer digit from one pooled
+  vector (``pooling: mean``);
+- ``answer_tokens``: the inputs also carry one blank token (id 10) per answer digit, and the backbone reads each
+  answer digit at its token (``pooling: tokens``);
+- ``operand_readout``: one answer digit read at each operand token itself (``pooling: tokens``); the answer,
+  zero-padded to ``answer_width`` digits, occupies the last ``answer_width`` tokens.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -21,6 +31,7 @@ from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
 OPERATIONS = ("add", "mul")
+ORDERS = ("msd_first", "lsd_first")
 # arXiv 2608.00418, Table 2: 3% of the pairs for multiplication, 0.4% for addition.
 PAPER_FRACTIONS = {"add": 0.004, "mul": 0.03}
 BLANK = 10  # token id of an answer token: a placeholder the model writes the answer digit into
@@ -38,7 +49,7 @@ def from_digits(digits: Tensor) -> Tensor:
     return (digits * powers).sum(dim=1)
 
 
-def answer_width(operation: str, num_digits: int) -> int:
+def widest_answer(operation: str, num_digits: int) -> int:
     """Digits of the largest answer: num_digits + 1 for a sum, 2 num_digits for a product."""
     return num_digits + 1 if operation == "add" else 2 * num_digits
 
@@ -58,7 +69,16 @@ class ArithmeticDataModule(MaskPriorDataModule):
             0.004 for addition and 0.03 for multiplication.
         num_digits: Digits per operand (paper: 3).
         answer_tokens: Append one blank token per answer digit to the input (read out with
-            ``pooling: tokens``); False gives the 6 operand digits only (read out with a pooled head).
+            ``pooling: tokens``); False gives the 6 operand digits only (read out with a pooled head, or at the
+            operand tokens with ``operand_readout``).
+        operand_readout: Read one answer digit at each of the last ``answer_width`` operand tokens
+            (``pooling: tokens``) instead of from a pooled vector. Excludes ``answer_tokens``.
+        answer_width: Answer digits predicted, zero-padded at the most significant end. Default: the widest
+            answer (num_digits + 1 for a sum, 2 num_digits for a product); with ``operand_readout`` at most
+            2 num_digits, one per operand token.
+        answer_order: ``msd_first`` (as written) or ``lsd_first`` (reversed): the order of the answer digits in
+            the labels, the read-out tokens and the ``digit_acc_<k>`` metrics (k = 0 the first in this order).
+        operand_order: ``msd_first`` (as written) or ``lsd_first``: the order of each operand's digit tokens.
         structure_heads: Heads of the task's structure; must equal the backbone's ``num_heads``.
         val_size: Held-out pairs evaluated at each validation (None: all of them).
         test_size: Held-out pairs evaluated by ``test`` (None: all of them).
@@ -74,6 +94,10 @@ class ArithmeticDataModule(MaskPriorDataModule):
         train_fraction: float | None = None,
         num_digits: int = 3,
         answer_tokens: bool = True,
+        operand_readout: bool = False,
+        answer_width: int | None = None,
+        answer_order: Literal["msd_first", "lsd_first"] = "msd_first",
+        operand_order: Literal["msd_first", "lsd_first"] = "msd_first",
         structure_heads: int = 4,
         val_size: int | None = 20_000,
         test_size: int | None = None,
@@ -98,12 +122,27 @@ class ArithmeticDataModule(MaskPriorDataModule):
                 raise ValueError(f"{name} must be positive or None (all held-out pairs), got {size}")
         if batch_size < 1 or eval_batch_size < 1:
             raise ValueError(f"batch sizes must be positive, got {batch_size} and {eval_batch_size}")
+        for name, order in (("answer_order", answer_order), ("operand_order", operand_order)):
+            if order not in ORDERS:
+                raise ValueError(f"{name} must be one of {list(ORDERS)}, got {order!r}")
+        if answer_tokens and operand_readout:
+            raise ValueError("answer_tokens and operand_readout are two read-outs; choose one")
+        widest = widest_answer(operation, num_digits)
+        if answer_width is None:
+            answer_width = widest
+        most = 2 * num_digits if operand_readout else 2 * widest
+        if not widest <= answer_width <= most:
+            raise ValueError(
+                f"answer_width must be in [{widest}, {most}] for {operation} of {num_digits}-digit operands"
+                f"{' read at the operand tokens' if operand_readout else ''}, got {answer_width}"
+            )
         self.operation, self.train_fraction, self.num_digits = operation, float(train_fraction), num_digits
-        self.answer_tokens, self.structure_heads = answer_tokens, structure_heads
+        self.answer_tokens, self.operand_readout, self.structure_heads = answer_tokens, operand_readout, structure_heads
+        self.answer_order, self.operand_order = answer_order, operand_order
         self.val_size, self.test_size = val_size, test_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.seed, self.num_workers = seed, num_workers
-        self.num_answer = answer_width(operation, num_digits)
+        self.num_answer = answer_width
         self.num_pairs = 10 ** (2 * num_digits)
         self.num_train = int(round(self.train_fraction * self.num_pairs))
         if not 0 < self.num_train < self.num_pairs:
@@ -118,23 +157,39 @@ class ArithmeticDataModule(MaskPriorDataModule):
     def seq_len(self) -> int:
         return 2 * self.num_digits + (self.num_answer if self.answer_tokens else 0)
 
+    @property
+    def readout_positions(self) -> list[int]:
+        """The tokens the answer digits are read at, in the answer's order (empty: a pooled read-out)."""
+        if self.answer_tokens:
+            return list(range(2 * self.num_digits, self.seq_len))
+        if self.operand_readout:
+            return list(range(2 * self.num_digits - self.num_answer, 2 * self.num_digits))
+        return []
+
     def structure(self) -> Structure:
-        """Operand structure (addition: sum and carry heads; multiplication: cross pairs), plus answer tokens."""
+        """Operand structure (addition: sum and carry heads; multiplication: cross pairs), plus answer tokens,
+        over the tokens in their order. With ``operand_readout`` the operand structure is the whole prior: the
+        paper's priors are stated over the operand digits alone."""
         build = priors.digit_addition if self.operation == "add" else priors.digit_multiplication
         structure = build(self.num_digits, self.structure_heads)
         if self.answer_tokens:
-            structure = priors.with_answer_tokens(structure, self.num_digits, self.num_answer)
+            structure = priors.with_answer_tokens(
+                structure, self.num_digits, self.num_answer, lsd_first=self.answer_order == "lsd_first")
+        if self.operand_order == "lsd_first":
+            d = self.num_digits
+            order = [*range(d - 1, -1, -1), *range(2 * d - 1, d - 1, -1), *range(2 * d, structure.seq_len)]
+            structure = structure.reorder(order, name=f"{structure.name} (operands least significant first)")
         return structure
 
     def task_spec(self) -> TaskSpec:
         extras = {}
-        if self.answer_tokens:
-            extras["readout_positions"] = list(range(2 * self.num_digits, self.seq_len))
+        if self.readout_positions:
+            extras["readout_positions"] = self.readout_positions
         return TaskSpec(
             name=f"arithmetic/{self.operation}",
             seq_len=self.seq_len,
             vocab_size=11 if self.answer_tokens else 10,
-            num_outputs=10 if self.answer_tokens else 10 * self.num_answer,
+            num_outputs=10 if self.readout_positions else 10 * self.num_answer,
             objective=DigitsObjective(self.num_answer),
             structure=self.structure(),
             # arXiv 2608.00418: arithmetic masks open = +5, closed = -5.
@@ -156,9 +211,14 @@ class ArithmeticDataModule(MaskPriorDataModule):
         a, b = index // base, index % base
         answer = a + b if self.operation == "add" else a * b
         inputs = [to_digits(a, self.num_digits), to_digits(b, self.num_digits)]
+        if self.operand_order == "lsd_first":
+            inputs = [operand.flip(1) for operand in inputs]
         if self.answer_tokens:
             inputs.append(torch.full((len(index), self.num_answer), BLANK, dtype=torch.long))
-        return TensorDictDataset(inputs=torch.cat(inputs, dim=1), digits=to_digits(answer, self.num_answer))
+        digits = to_digits(answer, self.num_answer)
+        if self.answer_order == "lsd_first":
+            digits = digits.flip(1)
+        return TensorDictDataset(inputs=torch.cat(inputs, dim=1), digits=digits)
 
     def split(self) -> tuple[Tensor, Tensor, Tensor]:
         """(train, validation, test) pair indices: seeded, train disjoint from the other two."""

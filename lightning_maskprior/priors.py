@@ -121,6 +121,14 @@ class Structure:
         check_open_closed(open_value, closed_value)
         return torch.where(self.open, float(open_value), float(closed_value))
 
+    def reorder(self, order: list[int], name: str | None = None) -> Structure:
+        """The same structure over the tokens rearranged: new token t is old token ``order[t]``."""
+        if sorted(order) != list(range(self.seq_len)):
+            raise ValueError(f"{self.name}: {order} is not an ordering of its {self.seq_len} tokens")
+        index = torch.tensor(order)
+        values = None if self.values is None else self.values[..., index, :][..., index]
+        return Structure(self.open[..., index, :][..., index], name=name or self.name, values=values)
+
     def pad(self, before: int = 0, attends_to_all: bool = True) -> Structure:
         """Prepend ``before`` extra tokens (e.g. a CLS token).
 
@@ -311,20 +319,21 @@ def digit_multiplication(num_digits: int = 3, num_heads: int = 4, name: str = "m
     return _operand_heads(heads, name)
 
 
-def with_answer_tokens(structure: Structure, num_digits: int, num_answer: int) -> Structure:
-    """Append ``num_answer`` answer tokens (most significant first) to an operand-digit structure.
+def with_answer_tokens(structure: Structure, num_digits: int, num_answer: int, lsd_first: bool = False) -> Structure:
+    """Append ``num_answer`` answer tokens (most significant first, or least with ``lsd_first``) to an
+    operand-digit structure whose operands are written most significant first.
 
     The answer digit of power p is a function of the operand digits of power <= p alone (higher
     digits cannot reach it; lower ones bring the carries), for addition and multiplication alike.
-    So answer token k (power num_answer - 1 - k) attends to those operand digits and to itself, in
-    every layer and head. Operand tokens do not attend to answer tokens (which carry no data).
+    So the answer token of power p attends to those operand digits and to itself, in every layer and
+    head. Operand tokens do not attend to answer tokens (which carry no data).
     """
     layers, heads, n, _ = structure.open.shape
     if n != 2 * num_digits:
         raise ValueError(f"{structure.name} has {n} tokens, expected 2 * {num_digits} operand digits")
     out = torch.zeros(layers, heads, n + num_answer, n + num_answer, dtype=torch.bool)
     out[..., :n, :n] = structure.open
-    answer_power = num_answer - 1 - torch.arange(num_answer)
+    answer_power = torch.arange(num_answer) if lsd_first else num_answer - 1 - torch.arange(num_answer)
     reads = _digit_powers(num_digits)[None, :] <= answer_power[:, None]
     out[..., n:, :n] = reads
     out[..., n:, n:] = torch.eye(num_answer, dtype=torch.bool)

@@ -81,6 +81,92 @@ def test_six_digit_inputs_without_answer_tokens():
     assert spec.structure.open.shape == (1, 4, 4, 4)
 
 
+# ------------------------------------------------------------------------------- readings of the read-out
+def operand(tokens, order):
+    """An operand's value from its digit tokens in ``order``."""
+    tokens = tokens if order == "msd_first" else tokens[::-1]
+    return int("".join(map(str, tokens)))
+
+
+@pytest.mark.parametrize("operation", ["add", "mul"])
+@pytest.mark.parametrize("answer_order", ["msd_first", "lsd_first"])
+@pytest.mark.parametrize("operand_order", ["msd_first", "lsd_first"])
+def test_operand_readout_labels_match_python_arithmetic(operation, answer_order, operand_order):
+    dm = ArithmeticDataModule(operation, train_fraction=0.01, answer_tokens=False, operand_readout=True,
+                              answer_order=answer_order, operand_order=operand_order, val_size=300)
+    dm.setup()
+    inputs, digits = dm.val_set.tensors["inputs"], dm.val_set.tensors["digits"]
+    width = 4 if operation == "add" else 6
+    assert inputs.shape == (300, 6) and digits.shape == (300, width)
+    spec = dm.task_spec()
+    # One answer digit per operand token, the last `width` tokens; each a 10-way output.
+    assert spec.extras["readout_positions"] == list(range(6 - width, 6)) and spec.num_outputs == 10
+    assert spec.vocab_size == 10 and spec.seq_len == 6 and spec.objective.num_digits == width
+    for row, answer in zip(inputs.tolist(), digits.tolist(), strict=True):
+        a, b = operand(row[:3], operand_order), operand(row[3:], operand_order)
+        written = "".join(map(str, answer if answer_order == "msd_first" else answer[::-1]))
+        assert written == str(a + b if operation == "add" else a * b).zfill(width)
+
+
+def test_answer_width_pads_the_sum_to_one_digit_per_operand_token():
+    dm = ArithmeticDataModule("add", train_fraction=0.01, answer_tokens=False, operand_readout=True, answer_width=6)
+    dm.setup()
+    digits = dm.train_set.tensors["digits"]
+    assert digits.shape[1] == 6 and not digits[:, :2].any()  # two leading zeros: a sum has 4 digits
+    assert dm.task_spec().extras["readout_positions"] == [0, 1, 2, 3, 4, 5]
+    pooled = ArithmeticDataModule("add", answer_tokens=False, answer_width=5)
+    assert pooled.task_spec().num_outputs == 5 * 10 and "readout_positions" not in pooled.task_spec().extras
+
+
+def test_the_split_is_the_papers_wording():
+    """All pairs shuffled with the seed, the first fraction for training, every other pair for the test."""
+    dm = ArithmeticDataModule("mul", train_fraction=0.03, seed=5, test_size=None)
+    train, _, test = dm.split()
+    order = torch.randperm(10**6, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(train, order[:30_000].sort().values) and torch.equal(test, order[30_000:].sort().values)
+
+
+def test_least_significant_operands_carry_the_structure_with_them():
+    msd, lsd = (ArithmeticDataModule("add", operand_order=order) for order in ("msd_first", "lsd_first"))
+    # Tokens a2 a1 a0 b2 b1 b0 become a0 a1 a2 b0 b1 b2; the answer tokens stay where they are.
+    order = [2, 1, 0, 5, 4, 3, 6, 7, 8, 9]
+    moved = msd.structure().open[..., order, :][..., order]
+    assert torch.equal(lsd.structure().open, moved)
+    # Aligned digits still attend to each other: a0 (token 0) with b0 (token 3); the ones answer reads a0 and b0.
+    sums = lsd.structure().open[0, 0]
+    assert sums[0, 3] and sums[3, 0] and not sums[0, 4]
+    assert set(sums[9, :6].nonzero().flatten().tolist()) == {0, 3}
+    # The answer least significant first: the first answer token is the ones and reads only a0 and b0.
+    reversed_answer = ArithmeticDataModule("add", operand_order="lsd_first", answer_order="lsd_first")
+    assert set(reversed_answer.structure().open[0, 0, 6, :6].nonzero().flatten().tolist()) == {0, 3}
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"answer_tokens": True, "operand_readout": True}, "answer_tokens and operand_readout are two read-outs"),
+        ({"operation": "mul", "answer_tokens": False, "operand_readout": True, "answer_width": 7},
+         r"answer_width must be in \[6, 6\] for mul of 3-digit operands read at the operand tokens, got 7"),
+        ({"answer_width": 3}, r"answer_width must be in \[4, 8\] for add of 3-digit operands, got 3"),
+        ({"answer_order": "reversed"}, r"answer_order must be one of \['msd_first', 'lsd_first'\], got 'reversed'"),
+        ({"operand_order": "lsd"}, "operand_order must be one of"),
+    ],
+)
+def test_bad_readings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ArithmeticDataModule(**kwargs)
+
+
+def test_a_pooled_backbone_on_a_task_read_at_tokens_is_refused():
+    from lightning_maskprior.models import TokenTransformer
+
+    spec = ArithmeticDataModule("mul", answer_tokens=False, operand_readout=True).task_spec()
+    with pytest.raises(ValueError, match=r"reads its outputs at tokens \[0, 1, 2, 3, 4, 5\]: set pooling 'tokens'"):
+        TokenTransformer(spec, dim=16, depth=1, head_dim=8, pooling="mean")
+    assert TokenTransformer(spec, dim=16, depth=1, head_dim=8, pooling="tokens")(torch.zeros(2, 6).long()).shape == (
+        2, 6, 10)
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -206,13 +292,17 @@ TINY = [
 
 @pytest.mark.parametrize(
     "config,init,readout",
-    [("addition", "mask", "tokens"), ("multiplication", "default", "tokens"), ("addition", "fixed", "mean")],
+    [("addition", "mask", "tokens"), ("multiplication", "default", "tokens"), ("addition", "fixed", "mean"),
+     ("multiplication", "mask", "operands")],
 )
 def test_tiny_fit_and_test(tmp_path, capsys, config, init, readout):
     args = ["-c", str(CONFIGS / f"arithmetic/{config}.yaml"), "-c", str(CONFIGS / f"init/{init}.yaml"), *TINY,
             "--trainer.default_root_dir", str(tmp_path)]
     if readout == "mean":
         args += ["--data.init_args.answer_tokens", "false", "--model.backbone.init_args.pooling", "mean"]
+    if readout == "operands":  # one answer digit at each operand token, both least significant first
+        args += ["--data.init_args.answer_tokens", "false", "--data.init_args.operand_readout", "true",
+                 "--data.init_args.answer_order", "lsd_first", "--data.init_args.operand_order", "lsd_first"]
     main(["fit", *args])
     out = capsys.readouterr().out
     for name in ("seq_acc", "digit_acc", "loss"):

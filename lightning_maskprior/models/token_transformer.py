@@ -87,6 +87,11 @@ class TokenTransformer(TokenBackbone):
         self.readout_positions = list(task.extras.get("readout_positions", []))
         if pooling == "tokens" and not self.readout_positions:
             raise ValueError(f"pooling 'tokens' needs extras['readout_positions'], which task {task.name!r} lacks")
+        if pooling != "tokens" and self.readout_positions:
+            raise ValueError(
+                f"task {task.name!r} reads its outputs at tokens {self.readout_positions}: set pooling 'tokens', "
+                f"not {pooling!r}"
+            )
         self.seq_len = task.seq_len
         self.vocab_size = task.vocab_size
         self.pooling = pooling
