@@ -37,6 +37,12 @@ def main(args: list[str] | None = None) -> None:
         # (exit status 128 + SIGPIPE), without a traceback or a second error from flushing at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
+    except OSError as err:
+        # A path the machine refuses (no permission, a read-only or full disk, a name too long, a file where a
+        # directory is expected...), wherever in fit, study, report or discover: one line naming it, exit 2.
+        from lightning_maskprior.run.errors import bad_input, describe_os_error
+
+        bad_input(describe_os_error(err))
 
 
 def _dispatch(args: list[str] | None) -> None:

@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from lightning_maskprior.callbacks import PredictionWriter
 from lightning_maskprior.callbacks.divergence import Diverged, StopOnDivergence
@@ -36,7 +36,7 @@ from lightning_maskprior.callbacks.rng import RNGStates
 from lightning_maskprior.callbacks.signals import FinalCheckpoint, StopOnSignal
 from lightning_maskprior.datamodules.base import MaskPriorDataModule
 from lightning_maskprior.module import MaskPriorModule
-from lightning_maskprior.run import allocator, checks, config_files, precision
+from lightning_maskprior.run import allocator, checks, config_files, errors, precision
 from lightning_maskprior.run import status as run_status
 from lightning_maskprior.run.atomic import AtomicCheckpointIO
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, StudyRunDir
@@ -74,6 +74,10 @@ class MaskPriorCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path")
         if ckpt_path == "last":
             config.ckpt_path = ckpt_path = _resolve_last(config, subcommand)
+        if ckpt_path in ("best", "hpc"):
+            _bad_input(f"--ckpt_path {ckpt_path} names a checkpoint of a fit in this same process (Lightning's), "
+                       f"which a separate `maskprior {subcommand}` has none of; expected last (the newest run of this "
+                       "config under trainer.default_root_dir) or a checkpoint file, e.g. RUN/checkpoints/last.ckpt")
         if ckpt_path is None and subcommand in ("test", "predict"):
             _bad_input(f"{subcommand} needs --ckpt_path, got none; expected the checkpoint of a trained run (e.g. "
                        f"RUN/checkpoints/last.ckpt, or last: the newest under trainer.default_root_dir). Without one "
@@ -137,7 +141,10 @@ class MaskPriorCLI(LightningCLI):
         plugins = _as_list(config.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             config["plugins"] = [*plugins, AtomicCheckpointIO()]
-        return super()._instantiate_trainer(config, callbacks)
+        try:  # Lightning refuses a trainer option (devices 0, an accelerator this machine lacks...) here
+            return super()._instantiate_trainer(config, callbacks)
+        except (MisconfigurationException, ValueError, TypeError) as err:
+            _bad_input(f"trainer: {err}")
 
     def _tensorboard_callbacks(self, config: dict[str, Any]) -> list[Callback]:
         """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``; with a logger,
@@ -157,6 +164,8 @@ class MaskPriorCLI(LightningCLI):
 
     def before_fit(self) -> None:
         config = self.config[self.subcommand]
+        if self.subcommand == "fit":
+            _check_optimizer(self.model, config.model.get("optimizer"))
         try:  # ckpt_path: readable, fits the model
             checks.check_ckpt_path(self.checkpoint or config.get("ckpt_path"), self.model, config.get("weights_only"))
         except (checks.CheckpointError, FileNotFoundError) as err:
@@ -199,6 +208,18 @@ class MaskPriorCLI(LightningCLI):
             _remove_if_empty(getattr(logger, "log_dir", None))
 
 
+def _check_optimizer(model: MaskPriorModule, spec: Any) -> None:
+    """The optimizer's own checks of its options (a negative weight decay, betas outside [0, 1)...), made on a
+    stand-in parameter before anything is written, instead of by configure_optimizers once the run has started."""
+    try:
+        model.optimizer_factory([{"params": [torch.nn.Parameter(torch.zeros(1))]}])
+    except RuntimeError:
+        return  # a device requirement (fused on CUDA only, say) the stand-in cannot meet: the real run decides
+    except (ValueError, TypeError) as err:
+        name = getattr(spec, "class_path", None) or "the optimizer"
+        _bad_input(f"model.optimizer: {name} refuses its options: {err}")
+
+
 def _as_list(value: Any) -> list:
     return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
@@ -236,8 +257,7 @@ def _default_logger(root: str | None, model: Any, seed: Any) -> TensorBoardLogge
 
 def _bad_input(message: str) -> None:
     """Bad input: one line on stderr and exit 2, before anything is written."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    errors.bad_input(message)
 
 
 def _underlying_message(err: BaseException) -> str:
@@ -385,6 +405,7 @@ def _run_cli(args: list[str] | None, checkpoint: Checkpoint | None = None) -> No
         save_config_kwargs={"overwrite": True},
         args=args,
         auto_configure_optimizers=False,
+        parser_class=errors.OneLineParser,
         checkpoint=checkpoint,
     )
 

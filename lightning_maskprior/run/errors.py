@@ -1,0 +1,121 @@
+"""Errors that are the user's input or machine, not a bug, as one line: what the ``maskprior`` command prints
+(``error: ...``) before it exits 2, whatever raised them (jsonargparse's parser, Lightning, the operating system)."""
+
+from __future__ import annotations
+
+import errno
+import re
+import sys
+from typing import NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+# What each operating-system error asks of the path, by errno.
+_OS_EXPECTED = {
+    errno.EACCES: "permission to read or write it",
+    errno.EPERM: "permission to read or write it",
+    errno.EROFS: "a writable filesystem (this one is read-only)",
+    errno.ENOSPC: "free space on its disk",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.ENAMETOOLONG: "a shorter name (at most 255 characters per part of the path)",
+    errno.ENOTDIR: "a directory, but a part of the path is a file",
+    errno.EISDIR: "a file, but it is a directory",
+    errno.ENOENT: "a path that exists",
+    errno.EEXIST: "a path that is not taken",
+}
+
+
+def describe_os_error(err: OSError) -> str:
+    """``<path>: <what the OS said> (<ERRNO>); expected <what the path needs>`` in one line."""
+    paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    name = errno.errorcode.get(err.errno or 0)
+    what = err.strerror or str(err) or type(err).__name__
+    expected = _OS_EXPECTED.get(err.errno or 0)
+    line = f"{paths}: {what}" if paths else what
+    if name:
+        line += f" ({name})"
+    return f"{line}; expected {expected}" if expected else line
+
+
+def bad_input(message: str) -> NoReturn:
+    """Bad input: one line on stderr and exit 2."""
+    print(f"error: {one_line(message)}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def one_line(message: str) -> str:
+    """A (possibly multi-line) message as one line: jsonargparse's nested reports as ``key: expected TYPE, got
+    VALUE``; anything else with its lines joined."""
+    text = str(message).strip()
+    if "Parser key" in text:
+        condensed = _parser_message(text)
+        if condensed:
+            return condensed
+    return re.sub(r"\s*\n\s*", " ", text)
+
+
+_TYPE = re.compile(r"<class '([\w.]+)'>")
+
+
+def _type_name(text: str) -> str:
+    text = _TYPE.sub(lambda m: "null" if m.group(1) == "NoneType" else m.group(1), text.strip())
+    literal = re.fullmatch(r"typing\.Literal\[(.*)\]", text)
+    return f"one of {literal.group(1)}" if literal else text
+
+
+def _join(items: list[str]) -> str:
+    items = list(dict.fromkeys(items))
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def _parser_message(text: str) -> str | None:
+    """jsonargparse's ``Parser key "model.optimizer": ... Parser key "lr": ... Expected a <class 'float'> ... Given
+    value: abc`` as ``model.optimizer.init_args.lr: expected float or torch.Tensor, got 'abc'``."""
+    keys = list(re.finditer(r'Parser key "([^"]+)"', text))
+    if not keys:
+        return None
+    path = keys[0].group(1)
+    for before, key in zip(keys, keys[1:], strict=False):
+        between = text[before.end() : key.start()]
+        # A key inside a class's own parser (a class_path given, or a callable class) is one of its init_args.
+        nested = "class_path" in between or "callable class" in between
+        path += f".init_args.{key.group(1)}" if nested else f".{key.group(1)}"
+    # The innermost key's own report: its lines, up to the first line indented no deeper than the key's.
+    start = text.rfind("\n", 0, keys[-1].start()) + 1
+    indent = len(text[start:]) - len(text[start:].lstrip())
+    lines = []
+    for line in text[keys[-1].end() :].splitlines()[1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        lines.append(line.strip())
+    section = "\n".join(lines)
+    subtypes = re.search(r"Subtypes: \[(.*)\]", section)
+    if subtypes:
+        expected = [_type_name(t) for t in re.split(r", (?=<class|typing\.|[\w.]+\[|[\w.]+$)", subtypes.group(1))]
+    else:
+        expected = [_type_name(m.group(1)) for m in re.finditer(r"Expected an? (<class '[\w.]+'>|typing\.[^\n]*?\])"
+                                                                r"(?:\.|$| |\n)", section)]
+    given = re.search(r"Given value: (.*?)(?:\. Got value: .*)?$", section, re.M) or re.search(
+        r"Got value: (.*)$", section, re.M)
+    if not expected and not given:
+        return None
+    line = f"{path}: expected {_join(expected) if expected else 'another value'}"
+    return f"{line}, got {given.group(1).strip()!r}" if given else line
+
+
+class OneLineErrors:
+    """A jsonargparse parser whose errors are one line (``error: key: expected TYPE, got VALUE``) and exit 2, instead
+    of the usage and jsonargparse's report of every type it tried (mixed into the fit and study parsers)."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        from jsonargparse._common import debug_mode_active  # where jsonargparse decides to raise instead of exit
+
+        if not self.exit_on_error or debug_mode_active():
+            super().error(message, ex)
+        prog = self.prog.replace(" [options]", "")
+        print(f"error: {one_line(message)} (`{prog} --help` lists the options)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+class OneLineParser(OneLineErrors, LightningArgumentParser):
+    """LightningCLI's parser with one-line errors."""
