@@ -19,22 +19,33 @@ Supported:
 - timm's ``Attention`` (ViT, DeiT, ViT with register tokens, every global-pool variant), without ``qk_norm``,
   ``scale_norm``, a gate, or an output width other than its input's;
 - Hugging Face decoder-only language models whose attention goes through the library's attention-function registry
-  (GPT-2, and the Llama family: Llama, Qwen2, Mistral...): each attention module gets a :class:`HFPrior` (holding
-  M) and the model runs the ``maskprior`` attention function, which adds ``log sigmoid(s M)`` to the model's own
-  causal and padding mask and hands over to the library's SDPA attention (on a CPU, with a prior, it computes the
-  attention as the project's explicit kernel does). Needs ``pip install ".[hf]"``.
+  (tested: GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, Gemma3, GPT-OSS): each attention module gets a
+  :class:`HFPrior` (holding M) and the model runs the ``maskprior`` attention function, which adds
+  ``log sigmoid(s M)`` to the model's own causal and padding mask, its rows and columns taken at the tokens'
+  positions (``position_ids``), so a KV cache of any kind and left padding see the prior a full forward pass sees.
+  Gemma2's logit soft-capping (before the prior) and GPT-OSS's attention sinks are computed as the models do.
+  Needs ``pip install ".[hf]"``.
+
+A model with priors keeps them through ``state_dict`` / ``load_state_dict`` (a fresh injected model takes M from
+the state dict), and a Hugging Face one through ``save_pretrained`` and :func:`load_injected`.
 
 Anything else that attends is refused, naming its class.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_maskprior.attention import PriorAttention, PriorCarrier, attention_layers, kernel_for
+from lightning_maskprior.attention import PriorAttention, PriorCarrier, attention_layers, kernel_for, softmax_rows
 from lightning_maskprior.priors import Structure
 
 
@@ -53,6 +64,13 @@ class InjectedAttention(PriorAttention):
         if attn_mask is not None or is_causal:
             raise ValueError("an injected attention layer takes no attn_mask / is_causal: the prior is its mask")
         return super().forward(x)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        _save_scale(self, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        _load_prior(self, state_dict, prefix, args, scale_key=True)
 
 
 def _timm_attention() -> type[nn.Module] | None:
@@ -148,10 +166,86 @@ def _init(model: nn.Module, structure: Structure | None, init: str | None, optio
     return model
 
 
-def export_prior(model: nn.Module) -> list[Tensor | None]:
-    """The prior logits M of each attention layer, in forward order (a detached copy; None where there is none)."""
-    return [None if layer.prior_logits is None else layer.prior_logits.detach().clone()
-            for layer in attention_layers(model)]
+class ExportedPrior(NamedTuple):
+    """One layer's prior as :func:`export_prior` gives it: ``layer.set_prior(*prior)`` installs it again."""
+
+    logits: Tensor  # M, (heads or 1, N, N)
+    trainable: bool
+    scale: float  # the attention adds log sigmoid(scale * M)
+
+
+def export_prior(model: nn.Module) -> list[ExportedPrior | None]:
+    """The prior of each attention layer, in forward order: M (a detached copy), whether it trains, and its scale;
+    None where there is none. :func:`set_prior` puts them back."""
+    priors = []
+    for layer in attention_layers(model):
+        matrix = layer.prior_matrix() if hasattr(layer, "prior_matrix") else layer.prior_logits
+        if matrix is None:
+            priors.append(None)
+            continue
+        trainable = any(p.requires_grad for p in _prior_parameters(layer))
+        priors.append(ExportedPrior(matrix.detach().clone(), trainable, float(layer.prior_scale)))
+    return priors
+
+
+def set_prior(model: nn.Module, priors: list[ExportedPrior | Tensor | None]) -> nn.Module:
+    """Install :func:`export_prior`'s list in ``model``'s attention layers, in forward order (a bare tensor: M at
+    scale 1, trainable; None: no prior). Returns ``model``."""
+    layers = attention_layers(model)
+    if len(priors) != len(layers):
+        raise ValueError(f"{len(priors)} priors for the {len(layers)} attention layers of {type(model).__name__}")
+    for layer, prior in zip(layers, priors, strict=True):
+        if prior is None:
+            layer.clear_prior()
+        elif isinstance(prior, Tensor):
+            layer.set_prior(prior)
+        else:
+            layer.set_prior(*prior)
+    return model
+
+
+# A prior in a state dict: M (``prior_logits``, or the parameters of another parameterisation), created on loading
+# where the layer has none yet; and its scale, saved where it is not 1 (so a checkpoint without a scaled prior has
+# the keys it always had).
+_SCALE_KEY = "prior_scale"
+
+
+def _prior_parameters(layer: nn.Module) -> list[nn.Parameter]:
+    """The parameters that hold a layer's M (``prior_logits``, or another parameterisation's); empty without one."""
+    return [param for name, param in layer.named_parameters(recurse=False) if name.startswith("prior_")]
+
+
+def _has_prior(layer: nn.Module) -> bool:
+    return bool(_prior_parameters(layer))
+
+
+def _save_scale(layer: PriorCarrier, destination: dict, prefix: str) -> None:
+    if _has_prior(layer) and layer.prior_scale != 1.0:
+        destination[prefix + _SCALE_KEY] = torch.tensor(float(layer.prior_scale))
+
+
+def _prior_names(state_dict: dict, prefix: str) -> list[str]:
+    """The prior parameters (``prior_logits``, ``prior_offsets``...) that ``state_dict`` holds for the layer at
+    ``prefix``."""
+    names = (key[len(prefix):] for key in state_dict if key.startswith(prefix))
+    return [name for name in names if name.startswith("prior_") and "." not in name and name != _SCALE_KEY]
+
+
+def _load_prior(layer: PriorCarrier, state_dict: dict, prefix: str, args: tuple, scale_key: bool) -> None:
+    """``nn.Module._load_from_state_dict`` for a prior carrier: a prior the state dict has and the layer has not
+    yet is created first (so a fresh injected model loads a trained one), and a saved scale is taken."""
+    for name in _prior_names(state_dict, prefix):
+        if getattr(layer, name, None) is None:
+            saved = state_dict[prefix + name]
+            setattr(layer, name, nn.Parameter(torch.empty_like(saved, device=layer._reference().device,
+                                                               dtype=layer._reference().dtype)))
+    nn.Module._load_from_state_dict(layer, state_dict, prefix, *args)
+    key = prefix + _SCALE_KEY
+    if scale_key and key in state_dict:
+        layer.prior_scale = float(state_dict[key])
+        unexpected = args[3]  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if key in unexpected:
+            unexpected.remove(key)
 
 
 def remove_prior(model: nn.Module) -> nn.Module:
@@ -169,6 +263,9 @@ def remove_prior(model: nn.Module) -> nn.Module:
 
 # ------------------------------------------------------------------------------------------ Hugging Face
 HF_IMPLEMENTATION = "maskprior"  # the name of the attention function (and its mask) in transformers' registries
+# The families whose injected attention is tested (tests/test_inject_hf.py): a full forward pass, step-by-step
+# decoding with a KV cache and save / load. Others pass if they use none of the refused features.
+TESTED_FAMILIES = "GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, Gemma3, GPT-OSS"
 
 
 class HFPrior(PriorCarrier):
@@ -180,18 +277,44 @@ class HFPrior(PriorCarrier):
     ``c_proj`` (``Conv1D``, stored (in, out)) and the Llama family's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
     Grouped-query attention (fewer key/value heads than query heads) has no per-head Wk to write; those inits
     refuse it.
+
+    M is a parameter of the model (``...maskprior.prior_logits`` in its state dict); its scale and whether it trains
+    are kept in the model's config (``config.maskprior``, by the module's ``index`` among the model's attention
+    modules), so that ``save_pretrained`` writes them to ``config.json`` and :func:`load_injected` restores them.
     """
 
-    def __init__(self, module: nn.Module, num_heads: int, head_dim: int, dim: int) -> None:
+    def __init__(self, module: nn.Module, num_heads: int, head_dim: int, dim: int, index: int = 0) -> None:
         super().__init__(num_heads)
         self._module = [module]  # a list: the attention module owns this one, not the other way round
         self.dim, self.head_dim, self.inner_dim = dim, head_dim, num_heads * head_dim
+        self.index = index
 
     def _reference(self) -> Tensor:
         return next(self._module[0].parameters())
 
     def attention_module(self) -> nn.Module:
         return self._module[0]
+
+    def set_prior(self, logits: Tensor, trainable: bool = True, scale: float = 1.0) -> None:
+        super().set_prior(logits, trainable, scale)
+        self._record({"scale": float(self.prior_scale), "trainable": bool(trainable)})
+
+    def clear_prior(self) -> None:
+        super().clear_prior()
+        self._record(None)
+
+    def _record(self, entry: dict | None) -> None:
+        """Write this layer's scale and trainability into the model's config (None: no prior)."""
+        config = getattr(self._module[0], "config", None)
+        if config is None:
+            return
+        records = {k: v for k, v in (getattr(config, HF_IMPLEMENTATION, None) or {}).items() if k != str(self.index)}
+        if entry is not None:
+            records[str(self.index)] = entry
+        setattr(config, HF_IMPLEMENTATION, dict(sorted(records.items(), key=lambda item: int(item[0]))) or None)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        _load_prior(self, state_dict, prefix, args, scale_key=False)
 
     def _projections(self, grad: bool = False) -> tuple[Tensor | None, ...]:
         """Wq, Wk, Wv (inner, dim), Wproj (dim, inner) in (out, in) layout, and the query and key biases (None where
@@ -245,27 +368,101 @@ def _is_hf_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+def _known_arguments() -> frozenset[str]:
+    """The keyword arguments an attention function may receive that ``maskprior_attention`` knows: the library's
+    common ones (``TransformersKwargs``), those it computes (``softcap``, the sinks ``s_aux``), and those the mask
+    it is given already holds (``sliding_window``)."""
+    from transformers.utils import TransformersKwargs
+
+    return frozenset(TransformersKwargs.__annotations__) | {"dropout", "scaling", "use_cache", "sliding_window",
+                                                              "softcap", "s_aux"}
+
+
+def _prior_at_positions(bias: Tensor, query: Tensor, key: Tensor, attention_mask: Tensor | None,
+                        position_ids: Tensor | None, module: nn.Module) -> Tensor:
+    """The prior's rows at the queries' positions and columns at the keys' positions: (B or 1, heads or 1, q, kv).
+
+    A query's position is its ``position_ids`` entry, as the model's own position embedding reads it (``generate``
+    numbers left-padded sequences from their first token). Without a cache the keys are the queries' tokens. With
+    one, the keys are the cache's slots, whatever the cache (dynamic, static, sliding window): the last query's own
+    key is the last key its row of the mask opens (nothing after it is visible), and the slots before it hold the
+    tokens before it, one position each. Slots no query sees (padding, a static cache's unfilled end) are clamped
+    into the prior; the mask keeps them closed.
+    """
+    n, q_len, kv_len = bias.shape[-1], query.shape[2], key.shape[2]
+    if position_ids is None:
+        raise ValueError(f"{type(module).__name__} passes no position_ids to its attention function: the injected "
+                         "prior cannot tell which of its rows a token takes")
+    queries = position_ids if position_ids.dim() == 2 else position_ids.reshape(1, -1)
+    if queries.shape[-1] != q_len:
+        raise ValueError(f"{type(module).__name__} passes position_ids of shape {tuple(position_ids.shape)} for "
+                         f"{q_len} queries; expected (batch, {q_len})")
+    if not torch.compiler.is_compiling():
+        last = int(queries.max())
+        if last >= n:
+            raise ValueError(f"prior is {n}x{n} but the attention sees a token at position {last} (positions 0 to "
+                             f"{n - 1})")
+    queries = queries.clamp(min=0)
+    if q_len == kv_len:
+        keys = queries
+    else:
+        own = torch.full((1,), kv_len - 1, device=key.device)
+        if attention_mask is not None:
+            row = attention_mask[:, 0, -1, :]
+            opened = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+            own = kv_len - 1 - opened.flip(-1).int().argmax(-1)  # the last open slot
+        slots = torch.arange(kv_len, device=key.device)
+        keys = (slots[None, :] - own[:, None] + queries[:, -1:]).clamp(0, n - 1)
+    if queries.shape[0] == 1 and keys.shape[0] == 1:
+        return bias.index_select(1, queries[0]).index_select(2, keys[0]).unsqueeze(0)
+    return bias[:, queries[:, :, None], keys[:, None, :]].transpose(0, 1)
+
+
+def _probabilities(query: Tensor, keys: Tensor, additive: Tensor | None, scale: float | None,
+                   softcap: float | None, sinks: Tensor | None) -> Tensor:
+    """The attention probabilities with the model's extra terms, as its own eager attention computes them: the
+    logits soft-capped (``softcap * tanh(logits / softcap)``) before the mask and the prior are added; a sink per
+    head (``sinks``) taking a share of each row's softmax and giving nothing back."""
+    if softcap is None and sinks is None:  # scale None: SDPA's default, 1 / sqrt(head width)
+        return PriorAttention.reference_probs(query, keys, additive, is_causal=False, scale=scale)
+    logits = (query @ keys.transpose(-2, -1)).float() * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if additive is not None:
+        logits = logits + additive
+    if sinks is None:
+        return softmax_rows(logits).to(query.dtype)
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    return softmax_rows(torch.cat([logits, sink], dim=-1))[..., :-1].to(query.dtype)
+
+
 def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                         **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """transformers' attention function for an injected prior: the model's mask (causal and padding, additive,
-    from ``eager_mask``) plus ``log sigmoid(s M)``.
+    from ``eager_mask``) plus ``log sigmoid(s M)`` at the tokens' positions (:func:`_prior_at_positions`).
 
     Where the project's own layers use their explicit kernel (a CPU, :func:`~lightning_maskprior.attention.kernel_for`)
     and there is a prior, it computes the attention the same way: the logits in float32 with the mask and the prior
     added, so under bf16 autocast neither the sum nor M's gradient is rounded to 8 bits, and no grad-requiring mask
-    sends SDPA to its unfused math kernel. Elsewhere, and without a prior, the library's own SDPA attention runs.
+    sends SDPA to its unfused math kernel. A model with soft-capping or sinks always takes this path (SDPA computes
+    neither). Elsewhere, and without a prior, the library's own SDPA attention runs.
+
+    An argument it does not know is a term of the model's attention it would not compute: refused, by name.
     """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    unknown = kwargs.keys() - _known_arguments()
+    if unknown:
+        raise ValueError(f"{type(module).__name__} passes {sorted(unknown)} to its attention function, terms the "
+                         "injected prior's attention does not compute; inject_prior cannot carry a prior in it")
+    softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
     prior = getattr(module, "maskprior", None)
     bias = prior.attention_bias() if isinstance(prior, HFPrior) else None
     recording = isinstance(prior, HFPrior) and prior.record_attention
     if bias is not None:
-        q_len, kv_len, n = query.shape[2], key.shape[2], bias.shape[-1]
-        if kv_len > n:
-            raise ValueError(f"prior is {n}x{n} but the attention sees {kv_len} tokens")
-        bias = bias[None, :, kv_len - q_len:kv_len, :kv_len]  # the query rows of a KV cache
-    explicit = bias is not None and kernel_for(query.device.type, query.dtype) == "explicit"
+        bias = _prior_at_positions(bias, query, key, attention_mask, kwargs.get("position_ids"), module)
+    extra_terms = softcap is not None or sinks is not None
+    explicit = extra_terms or (bias is not None and kernel_for(query.device.type, query.dtype) == "explicit")
     if explicit or recording:
         groups = getattr(module, "num_key_value_groups", 1)
         keys, values = (repeat_kv(key, groups), repeat_kv(value, groups)) if groups > 1 else (key, value)
@@ -273,8 +470,7 @@ def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
         for term in (attention_mask, bias):
             if term is not None:
                 additive = term.float() if additive is None else additive + term
-        # scaling None: SDPA's default, 1 / sqrt(head width)
-        probs = PriorAttention.reference_probs(query, keys, additive, is_causal=False, scale=kwargs.get("scaling"))
+        probs = _probabilities(query, keys, additive, kwargs.get("scaling"), softcap, sinks)
         if recording:
             prior.last_attention = probs.detach()
         if explicit:
@@ -299,16 +495,38 @@ def _hf_attention_modules(model: nn.Module) -> list[nn.Module]:
             and not isinstance(m, PriorCarrier)]
 
 
+def _unsupported_feature(model: nn.Module, layers: list[nn.Module]) -> str | None:
+    """What ``model``'s attention computes that the injected attention would not (None: nothing found)."""
+    config = model.config
+    attention_config = getattr(config, "attn_config", None)  # MPT keeps its attention options apart
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder architecture"
+    if getattr(config, "add_cross_attention", False) or any(getattr(m, "is_cross_attention", False) for m in layers):
+        return "cross-attention"
+    if (getattr(config, "alibi", False) or getattr(attention_config, "alibi", False)
+            or getattr(config, "position_embedding_type", None) == "alibi" or config.model_type == "bloom"):
+        return "ALiBi position biases"
+    if (getattr(config, "relative_attention_num_buckets", None) or getattr(config, "position_bias_num_buckets", None)
+            or str(getattr(config, "position_embedding_type", "")).startswith("relative")):
+        return "relative position biases of its own"
+    both_ways = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", False) is not True})
+    if both_ways or not getattr(config, "is_causal", True):
+        return f"attention both ways ({', '.join(both_ways) or 'config.is_causal'} is not causal)"
+    if not getattr(model, "_supports_attention_backend", False):
+        return "an attention it computes in its own code, not through transformers' attention functions"
+    return None
+
+
 def _inject_hf(model: nn.Module) -> None:
     config = model.config
     layers = _hf_attention_modules(model)
+    feature = _unsupported_feature(model, layers)
+    if feature is not None:
+        raise ValueError(f"{type(model).__name__} uses {feature}, which the injected prior's attention does not "
+                         "compute; inject_prior supports decoder-only causal language models whose attention runs "
+                         f"through transformers' attention functions (tested: {TESTED_FAMILIES})")
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention module inject_prior can carry a prior in")
-    not_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", False) is not True})
-    if getattr(config, "is_encoder_decoder", False) or not_causal:
-        which = ", ".join(not_causal) or "an encoder-decoder"
-        raise ValueError(f"{type(model).__name__} is not a decoder-only causal model ({which} attends both ways); "
-                         "inject_prior supports Hugging Face causal language models (GPT-2, Llama, Qwen2, Mistral...)")
     _register_hf()
     previous = config._attn_implementation
     if previous != HF_IMPLEMENTATION:
@@ -318,19 +536,111 @@ def _inject_hf(model: nn.Module) -> None:
             raise ValueError(f"{type(model).__name__} does not run its attention through transformers' attention "
                              f"registry ({err}); inject_prior cannot add a prior to it") from None
         model._maskprior_previous_attention = previous or "sdpa"
-    for layer in layers:
+    for index, layer in enumerate(layers):
         if not isinstance(getattr(layer, "maskprior", None), HFPrior):
             heads = int(getattr(layer, "num_heads", None) or config.num_attention_heads)
             head_dim = int(getattr(layer, "head_dim", None) or config.hidden_size // heads)
-            layer.maskprior = HFPrior(layer, heads, head_dim, int(config.hidden_size))
+            layer.maskprior = HFPrior(layer, heads, head_dim, int(config.hidden_size), index)
 
 
 def _remove_hf(model: nn.Module) -> nn.Module:
     for layer in _hf_attention_modules(model):
         if isinstance(getattr(layer, "maskprior", None), HFPrior):
             del layer.maskprior
+    if getattr(model.config, HF_IMPLEMENTATION, None) is not None:
+        setattr(model.config, HF_IMPLEMENTATION, None)
     previous = getattr(model, "_maskprior_previous_attention", None)
     if previous is not None:
         model.set_attn_implementation(previous)
         del model._maskprior_previous_attention
     return model
+
+
+# ------------------------------------------------------------------------------------------ save and load
+def load_injected(path: str | Path, model_class: type | None = None, **from_pretrained: Any) -> nn.Module:
+    """A Hugging Face model saved with ``save_pretrained`` after :func:`inject_prior`, with its priors.
+
+        inject_prior(model, structure, init="mask", scale=10.0)
+        model.save_pretrained("dir")
+        model = load_injected("dir")                # in another process: M, its scale and layout come back
+
+    ``from_pretrained`` builds the model and its weights; the priors are then injected and each M is read from the
+    saved weights, with the scale and trainability ``config.json`` recorded for it. A directory saved without a
+    prior gives the model injected with none.
+
+    Args:
+        path: A local directory written by ``save_pretrained`` (safetensors; nothing is downloaded).
+        model_class: The class to load with (default: ``AutoModelForCausalLM``); the one that was saved.
+        from_pretrained: More arguments for ``from_pretrained`` (``dtype``, ``attn_implementation``...).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory; load_injected expects one written by save_pretrained")
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    with _load_report_held() as held:
+        model, info = model_class.from_pretrained(path, output_loading_info=True, local_files_only=True,
+                                                  **from_pretrained)
+    problems = [k for k in info.get("unexpected_keys", ()) if f".{HF_IMPLEMENTATION}." not in k]
+    if problems or info.get("missing_keys") or info.get("mismatched_keys"):
+        for record in held:  # the library's report, as it would have been shown
+            logging.getLogger(record.name).handle(record)
+    records = getattr(model.config, HF_IMPLEMENTATION, None) or {}
+    setattr(model.config, HF_IMPLEMENTATION, None)
+    inject_prior(model)
+    priors = _saved_priors(path)
+    model.load_state_dict(priors, strict=False)
+    for layer in attention_layers(model):
+        record = records.get(str(layer.index))
+        if not _has_prior(layer):
+            if record is not None:
+                raise ValueError(f"{path}'s config.json records a prior for attention module {layer.index}, but its "
+                                 "weights hold none")
+            continue
+        record = record or {"scale": 1.0, "trainable": True}
+        layer.prior_scale = float(record["scale"])
+        for param in _prior_parameters(layer):
+            param.requires_grad_(bool(record["trainable"]))
+        layer._record(record)
+    return model
+
+
+def _saved_priors(path: Path) -> dict[str, Tensor]:
+    """The prior tensors (``...maskprior.prior_*``) of the safetensors weights ``save_pretrained`` wrote in ``path``."""
+    from safetensors import safe_open
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    index = path / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / SAFE_WEIGHTS_NAME).is_file():
+        files = [SAFE_WEIGHTS_NAME]
+    else:
+        raise FileNotFoundError(f"{path} has neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}: load_injected "
+                                "reads the safetensors weights save_pretrained writes")
+    priors = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as weights:
+            priors.update({k: weights.get_tensor(k) for k in weights.keys() if f".{HF_IMPLEMENTATION}.prior_" in k})
+    return priors
+
+
+@contextmanager
+def _load_report_held() -> Iterator[list[logging.LogRecord]]:
+    """Hold back transformers' loading report within the block (it would call the saved priors unexpected keys);
+    the held records are yielded, for the caller to show when something else was reported."""
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if "LOAD REPORT" in record.getMessage():
+                held.append(record)
+                return False
+            return True
+
+    logger, hold = logging.getLogger("transformers.modeling_utils"), Hold()
+    logger.addFilter(hold)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold)

@@ -63,7 +63,7 @@ def test_an_open_prior_changes_nothing_and_the_gradient_reaches_m():
     tokens_open = torch.eye(tokens, dtype=torch.bool) | torch.eye(tokens, dtype=torch.bool).roll(1, 1)
     tokens_open[0] = True  # the CLS row attends to everything
     inject_prior(model, Structure(tokens_open[None, None], name="neighbours"), init="mask")
-    priors = export_prior(model)
+    priors = [prior.logits for prior in export_prior(model)]
     assert [tuple(m.shape) for m in priors] == [(1, tokens, tokens)] * 2
     assert priors[0][0, 1, 2] == 10.0 and priors[0][0, 1, 5] == -10.0  # the task's open and closed values
     model.train()
@@ -176,3 +176,47 @@ def test_the_cli_fine_tunes_a_timm_checkpoint_with_a_mask_prior(tmp_path, capsys
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: checkpoint_path") and "missing.pth does not exist" in err[-1]
+
+
+# ------------------------------------------------------------------ the prior through a state dict
+def random_prior(heads, tokens, seed=0):
+    """A different M for every head and pair of positions: a prior no shift or reindexing leaves as it is."""
+    return 4 * torch.randn(heads, tokens, tokens, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_state_dict_brings_m_and_its_scale_back_into_a_fresh_model():
+    """timm.create_model + inject_prior + load_state_dict: the prior a trained model had (per head, scaled), with
+    the same outputs; a model whose prior is unscaled keeps the state dict's keys it always had."""
+    model = inject_prior(build())
+    for layer in attention_layers(model):
+        layer.set_prior(random_prior(3, 17), scale=2.5)
+    state = model.state_dict()
+    assert state["blocks.0.attn.prior_scale"] == 2.5 and state["blocks.0.attn.prior_logits"].shape == (3, 17, 17)
+    fresh = inject_prior(build())
+    fresh.load_state_dict(state)  # strict: every key is taken
+    for ours, theirs in zip(export_prior(fresh), export_prior(model), strict=True):
+        assert torch.equal(ours.logits, theirs.logits) and ours.scale == 2.5 and ours.trainable
+    x = images()
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+    unscaled = inject_prior(build(), Structure(torch.ones(1, 1, 17, 17, dtype=torch.bool), name="all open"))
+    assert not any(key.endswith("prior_scale") for key in unscaled.state_dict())
+
+
+def test_export_prior_and_set_prior_round_trip_m_its_scale_and_trainability():
+    from lightning_maskprior.inject import set_prior
+
+    model = inject_prior(build())
+    first, second = attention_layers(model)
+    first.set_prior(random_prior(3, 17), trainable=False, scale=10.0)
+    exported = export_prior(model)
+    assert exported[1] is None and exported[0].scale == 10.0 and not exported[0].trainable
+    other = inject_prior(build())
+    set_prior(other, exported)
+    again = export_prior(other)
+    assert again[1] is None and torch.equal(again[0].logits, exported[0].logits)
+    assert again[0].scale == 10.0 and not again[0].trainable
+    second.set_prior(*exported[0])  # one layer's prior, as a layer takes it
+    assert second.prior_scale == 10.0 and torch.equal(second.prior_logits, first.prior_logits)
+    with pytest.raises(ValueError, match="1 priors for the 2 attention layers of VisionTransformer"):
+        set_prior(other, exported[:1])

@@ -1,6 +1,8 @@
 """inject_prior in Hugging Face causal language models (GPT-2, Llama): the model's own attention code runs, the
 outputs equal the untouched model's while the prior is neutral, causal and padding masks are kept, the gradient
-reaches M, remove_prior gives the model back, and models that attend both ways are refused."""
+reaches M, remove_prior gives the model back. The prior follows the tokens' positions through every KV cache, left
+padding and generate, each tested family computes its own attention terms, unsupported ones are refused by name,
+and save_pretrained / load_injected bring the prior back bit for bit."""
 
 import copy
 
@@ -90,7 +92,7 @@ def test_the_gradient_reaches_m_and_remove_prior_gives_the_model_back(name):
     model = MODELS[name]()
     untouched = copy.deepcopy(model)
     inject_prior(model, language_structure(), init="mask")
-    priors = export_prior(model)
+    priors = [prior.logits for prior in export_prior(model)]
     assert [tuple(m.shape) for m in priors] == [(1, N, N)] * 2 and priors[0][0, 3, 2] == 10.0  # open: i -> i-1
     model.train()
     x = tokens()
@@ -113,13 +115,6 @@ def test_attention_is_recorded_for_the_callbacks():
     torch.testing.assert_close(probs[0].sum(-1), torch.ones(2, 2, N))
     assert probs[0][0, 0].triu(1).abs().max() == 0  # causal
     assert probs[0][0, 0, 5, 4] > 0.4  # the open previous token takes a large share at init
-
-
-def test_a_model_that_attends_both_ways_is_refused():
-    config = transformers.BertConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32,
-                                     vocab_size=VOCAB)
-    with pytest.raises(ValueError, match="BertModel is not a decoder-only causal model"):
-        inject_prior(transformers.BertModel(config))
 
 
 # ------------------------------------------------------------------ the structure-free and query/key inits
@@ -315,3 +310,293 @@ def test_the_language_prior_in_an_hf_decoder_makes_no_denormal_probabilities():
     for layer in attention_layers(model):
         probs = layer.last_attention.float()
         assert probs.max() > 0.5 and denormals(probs) == 0
+
+
+# ------------------------------------------------------------------ the prior at the tokens' positions
+def random_prior(model, seed=0):
+    """A different M for every layer, head and pair of positions (scale 2): a prior that no shift, slot order or
+    dropped term leaves as it is, unlike the language prior, which depends on i - j alone."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in attention_layers(inject_prior(model)):
+        layer.set_prior(2 * torch.randn(layer.num_heads, N, N, generator=generator), scale=2.0)
+    return model
+
+
+def mistral(**overrides):  # a sliding window of 4 tokens, grouped-query attention
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        hidden_size=32, intermediate_size=64, vocab_size=VOCAB,
+                                        max_position_embeddings=N, sliding_window=4, bos_token_id=None,
+                                        eos_token_id=None, pad_token_id=0, **overrides)
+    return transformers.MistralForCausalLM(config).eval()
+
+
+CACHED = {"gpt2": gpt2, "llama": llama, "mistral": mistral}
+
+
+def make_cache(model, kind):
+    if kind == "static":
+        return transformers.StaticCache(config=model.config, max_cache_len=N)
+    return transformers.DynamicCache(config=model.config)
+
+
+def step_by_step(model, x, cache, prompt=4, step=1):
+    """The logits of ``x`` decoded with ``cache``: the first ``prompt`` tokens at once, then ``step`` at a time."""
+    with torch.no_grad():
+        out = [model(x[:, :prompt], cache=cache, use_cache=True).logits]
+        for start in range(prompt, x.shape[1], step):
+            out.append(model(x[:, start:start + step], cache=cache, use_cache=True).logits)
+    return torch.cat(out, dim=1)
+
+
+@pytest.fixture(params=["explicit", "sdpa"])
+def kernel(request, monkeypatch):
+    """Both paths of the attention function: the explicit one (a CPU) and SDPA (elsewhere)."""
+    import lightning_maskprior.inject as inject
+
+    monkeypatch.setattr(inject, "kernel_for", lambda device, dtype: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", CACHED)
+def test_decoding_step_by_step_equals_one_forward_pass(name, cache, kernel):
+    """A KV cache (dynamic, static; Mistral's sliding window of 4, so evicted slots too) gives every token the rows
+    and columns of the prior a full forward pass gives it: the prior follows positions, not cache slots."""
+    model = random_prior(CACHED[name]())
+    x = tokens(length=N - 2)
+    with torch.no_grad():
+        full = model(x).logits
+    for prompt, step in ((4, 1), (5, 3)):  # single tokens, and chunks of several after the prompt
+        torch.testing.assert_close(step_by_step(model, x, make_cache(model, cache), prompt, step), full,
+                                   atol=1e-5, rtol=1e-4)
+
+
+def left_padded(lengths, seed=2):
+    """Sequences of ``lengths``, left-padded to the longest; the mask, and the positions generate gives them."""
+    rows = [tokens(1, n, seed + i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    x = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for i, row in enumerate(rows):
+        x[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return rows, x, mask, positions
+
+
+@pytest.mark.parametrize("name", CACHED)
+def test_a_left_padded_batch_equals_its_sequences_unpadded(name, kernel):
+    """Left padding shifts a sequence's slots, not its positions: each row's logits are those of the row alone,
+    in one forward pass and decoded step by step with a cache."""
+    model = random_prior(CACHED[name]())
+    rows, x, mask, positions = left_padded([12, 7])
+    with torch.no_grad():
+        padded = model(x, attention_mask=mask, position_ids=positions).logits
+        alone = [model(row[None]).logits[0] for row in rows]
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(padded[i, x.shape[1] - len(row):], alone[i], atol=1e-5, rtol=1e-4)
+    cache, decoded = make_cache(model, "dynamic"), []
+    with torch.no_grad():
+        for t in range(x.shape[1]):
+            decoded.append(model(x[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=positions[:, t:t + 1],
+                                 cache=cache, use_cache=True).logits)
+    decoded = torch.cat(decoded, 1)
+    torch.testing.assert_close(decoded[1, x.shape[1] - len(rows[1]):], alone[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_picks_the_same_tokens_with_any_cache_and_padding(name):
+    """Greedy generate: no cache, a dynamic cache and a static one give the same tokens and the same scores, and a
+    left-padded batch generates for each sequence what it generates alone."""
+    model = random_prior(CACHED[name]())
+    rows, x, mask, _ = left_padded([6, 3])
+    options = {"max_new_tokens": 6, "do_sample": False, "output_logits": True, "return_dict_in_generate": True,
+               "pad_token_id": 0, "eos_token_id": None}
+    runs = {"no cache": model.generate(x, attention_mask=mask, use_cache=False, **options),
+            "dynamic": model.generate(x, attention_mask=mask, **options),
+            "static": model.generate(x, attention_mask=mask, cache_implementation="static", **options)}
+    for kind in ("dynamic", "static"):
+        assert torch.equal(runs[kind].sequences, runs["no cache"].sequences), kind
+        torch.testing.assert_close(torch.stack(runs[kind].logits), torch.stack(runs["no cache"].logits),
+                                   atol=1e-5, rtol=1e-4)
+    for i, row in enumerate(rows):
+        alone = model.generate(row[None], **options)
+        assert torch.equal(runs["dynamic"].sequences[i, x.shape[1]:], alone.sequences[0, len(row):])
+
+
+def test_a_position_past_the_prior_is_refused_and_a_longer_cache_is_not():
+    model = random_prior(llama())
+    with pytest.raises(ValueError, match="prior is 16x16 but the attention sees a token at position 16 "):
+        model(tokens(length=N + 1))
+    x = tokens(length=8)
+    with torch.no_grad():
+        full = model(x).logits
+        cache = transformers.StaticCache(config=model.config, max_cache_len=2 * N)  # more slots than the prior
+        torch.testing.assert_close(step_by_step(model, x, cache), full, atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ the tested families, and what is refused
+def family(name):
+    """A tiny model of each family inject_prior is tested on (the docs list them)."""
+    torch.manual_seed(0)
+    common = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+              "intermediate_size": 64, "vocab_size": VOCAB, "max_position_embeddings": N, "bos_token_id": None,
+              "eos_token_id": None, "pad_token_id": 0}
+    configs = {
+        "gpt2": lambda: gpt2().config,
+        "llama": lambda: llama().config,
+        "mistral": lambda: mistral().config,
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=8),
+        "phi3": lambda: transformers.Phi3Config(**common),
+        # a cap of 1 on logits of about 1: soft-capping changes the attention
+        "gemma2": lambda: transformers.Gemma2Config(**common, head_dim=8, sliding_window=4, attn_logit_softcapping=1.0),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**common, head_dim=8, sliding_window=4),
+        "gpt_oss": lambda: transformers.GptOssConfig(**common, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                                                     sliding_window=4),
+    }
+    config = configs[name]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):  # GPT-OSS: sinks that take a share
+                module.sinks.copy_(torch.randn(module.sinks.shape, generator=torch.Generator().manual_seed(3)))
+    return model
+
+
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt_oss"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_tested_family_computes_its_own_attention_and_decodes_as_it_forwards(name, kernel):
+    """Without a prior the injected model's logits are its own eager attention's (Gemma2's soft-capping, GPT-OSS's
+    sinks included); with a random per-head prior, decoding step by step with a cache equals one forward pass."""
+    untouched = family(name)
+    model = inject_prior(copy.deepcopy(untouched))
+    x = tokens(length=12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, untouched(x).logits, atol=1e-5, rtol=1e-4)
+    random_prior(model)
+    with torch.no_grad():
+        full = model(x).logits
+    torch.testing.assert_close(step_by_step(model, x, make_cache(model, "dynamic")), full, atol=1e-5, rtol=1e-4)
+
+
+def test_soft_capping_comes_before_the_prior():
+    """Gemma2 with a prior: softmax(cap * tanh(q k^T s / cap) + mask + log sigmoid(s M)), recomputed here from the
+    recorded inputs of the first layer."""
+    model = random_prior(family("gemma2"))
+    attention = model.model.layers[0].self_attn
+    seen = {}
+    hook = attention.register_forward_hook(lambda module, args, kwargs, out: seen.update(kwargs), with_kwargs=True)
+    for layer in attention_layers(model):
+        layer.record_attention = True
+    x = tokens(batch=1, length=8)
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    hidden, (cos, sin) = seen["hidden_states"], seen["position_embeddings"]
+    from transformers.models.gemma2.modeling_gemma2 import apply_rotary_pos_emb, repeat_kv
+
+    shape = (1, 8, -1, 8)
+    q = attention.q_proj(hidden).view(shape).transpose(1, 2)
+    k = attention.k_proj(hidden).view(shape).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    logits = q @ repeat_kv(k, 2).transpose(-2, -1) * attention.scaling
+    capped = torch.tanh(logits) * 1.0 + attention.maskprior.attention_bias()[:, :8, :8]
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    closed = (j > i) | (j <= i - 4)  # layer 0 is one of Gemma2's sliding-window layers (4 tokens)
+    capped = capped.masked_fill(closed, float("-inf"))
+    torch.testing.assert_close(attention.maskprior.last_attention, capped.softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+REFUSED = {
+    "an encoder-decoder architecture": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2, vocab_size=VOCAB)),
+    "cross-attention": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=N, add_cross_attention=True)),
+    "ALiBi position biases": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        n_layer=1, n_head=2, hidden_size=16, vocab_size=VOCAB)),
+    "ALiBi position biases (MPT)": lambda: transformers.MptForCausalLM(transformers.MptConfig(
+        n_layers=1, n_heads=2, d_model=16, vocab_size=VOCAB, max_seq_len=N)),
+    "attention both ways": lambda: transformers.BertModel(transformers.BertConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32, vocab_size=VOCAB)),
+    "an attention it computes in its own code": lambda: transformers.BioGptForCausalLM(transformers.BioGptConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32, vocab_size=VOCAB)),
+}
+
+
+@pytest.mark.parametrize("feature", REFUSED)
+def test_an_attention_term_the_injected_attention_does_not_compute_is_refused_naming_model_and_term(feature):
+    model = REFUSED[feature]()
+    name = type(model).__name__
+    with pytest.raises(ValueError, match=rf"^{name} uses {feature.split(' (')[0]}.*tested: GPT-2, Llama"):
+        inject_prior(model)
+
+
+def test_an_attention_argument_it_does_not_know_is_refused_by_name():
+    """A model passing a term the attention function has never seen (T5-style relative biases) stops at the
+    first forward pass instead of training without it."""
+    from lightning_maskprior.inject import maskprior_attention
+
+    model = inject_prior(llama())
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"LlamaAttention passes \['position_bias'\] to its attention function"):
+        maskprior_attention(model.model.layers[0].self_attn, q, q, q, None, position_bias=torch.zeros(1, 4, 3, 3))
+
+
+# ------------------------------------------------------------------ save_pretrained, load_injected
+def test_save_pretrained_and_load_injected_give_the_same_model_in_a_fresh_process(tmp_path):
+    """M (per head), its scale and its trainability come back from a save_pretrained directory in a new Python
+    process, with bit-identical logits; from_pretrained alone gives the model without its prior."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    x = tokens(length=N)
+    expected = {}
+    for name in ("gpt2", "llama", "gemma2"):
+        model = random_prior(family(name) if name == "gemma2" else MODELS[name]())
+        first, second = attention_layers(model)
+        first.set_prior(first.prior_logits, trainable=False, scale=10.0)
+        model.save_pretrained(tmp_path / name)
+        with torch.no_grad():
+            expected[name] = model(x).logits
+        assert json.loads((tmp_path / name / "config.json").read_text())["maskprior"] == {
+            "0": {"scale": 10.0, "trainable": False}, "1": {"scale": 2.0, "trainable": True}}
+    torch.save(x, tmp_path / "tokens.pt")
+    script = (
+        "import sys, torch\n"
+        "from lightning_maskprior import export_prior\n"
+        "from lightning_maskprior.inject import load_injected\n"
+        "x = torch.load(sys.argv[1] + '/tokens.pt')\n"
+        "for name in ('gpt2', 'llama', 'gemma2'):\n"
+        "    model = load_injected(sys.argv[1] + '/' + name).eval()\n"
+        "    priors = export_prior(model)\n"
+        "    assert [(p.scale, p.trainable) for p in priors] == [(10.0, False), (2.0, True)], priors\n"
+        "    with torch.no_grad():\n"
+        "        torch.save(model(x).logits, sys.argv[1] + '/' + name + '.pt')\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOAD REPORT" not in proc.stderr  # the saved priors are not reported as unexpected weights
+    for name, logits in expected.items():
+        assert torch.equal(torch.load(tmp_path / f"{name}.pt"), logits), name
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    with torch.no_grad():
+        assert not torch.allclose(plain(x).logits, expected["llama"], atol=1e-3)
+
+
+def test_load_injected_of_a_model_saved_without_a_prior_and_a_wrong_directory(tmp_path):
+    from lightning_maskprior.inject import load_injected
+
+    model = inject_prior(gpt2())
+    model.save_pretrained(tmp_path / "plain")
+    loaded = load_injected(tmp_path / "plain")
+    assert [layer.prior_logits for layer in attention_layers(loaded)] == [None, None]
+    assert loaded.config._attn_implementation == "maskprior"
+    with pytest.raises(FileNotFoundError, match="nowhere is not a directory; load_injected expects one"):
+        load_injected(tmp_path / "nowhere")
