@@ -211,3 +211,55 @@ def test_ddp_resume_is_exact_and_sigterm_exits_143(tmp_path, step):
     resumed = _cli([*args, "--ckpt_path", "last"], tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_scalars(tmp_path / "full", tmp_path / "resumed")
+
+
+# ------------------------------------------------------------------------------ resuming with changed options
+def _files(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_changed_learning_rate_takes_effect_on_resume_and_is_recorded(tmp_path):
+    """The config's lr replaces the one the checkpoint's optimizer state restored, at the resumed step, and the
+    change is recorded (changes.yaml, the console); another optimizer class is refused, naming both."""
+    import yaml
+
+    assert _fit([*BOOLEAN, "--trainer.max_epochs", "1"], tmp_path) == 0  # 3 steps at lr 0.001 (cosine)
+    (run,) = tmp_path.glob("*/version_0")
+    before = _files(tmp_path)
+    other = _cli([*BOOLEAN, "--ckpt_path", "last", "--model.optimizer", "torch.optim.SGD",
+                  "--model.optimizer.init_args.lr", "0.1"], tmp_path)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert "was trained with model.optimizer torch.optim.Adam, the config asks for torch.optim.SGD" in other.stderr
+    assert _files(tmp_path) == before
+    resumed = _cli([*BOOLEAN, "--trainer.max_epochs", "2", "--ckpt_path", "last",
+                    "--model.optimizer.init_args.lr", "0.05"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at step 3 with options the checkpoint did not train with: model.optimizer.init_args.lr " \
+           "0.001 -> 0.05" in resumed.stdout + resumed.stderr
+    assert yaml.safe_load((run / "changes.yaml").read_text()) == [
+        {"step": 3, "changed": {"model.optimizer.init_args.lr": {"checkpoint": 0.001, "config": 0.05}}}]
+    lrs = dict(read_scalars(run)["train/lr/network"])
+    # Step 3 is still at the first fit's schedule end (its cosine reached 0 there); then 0.05 on the longer schedule.
+    assert max(v for s, v in lrs.items() if s < 3) < 0.0011 < 0.003 < min(v for s, v in lrs.items() if s >= 4)
+
+
+def test_ckpt_path_last_resumes_the_run_of_this_config_not_the_newest(tmp_path):
+    """With runs of several seeds and tasks under one root, ``--ckpt_path last`` resumes the run of this task, init
+    and seed, and leaves the others' files alone; with none of them it is refused, naming the newest."""
+    majority = [str(CONFIGS / "boolean/majority3.yaml") if a.endswith("2parity.yaml") else a for a in BOOLEAN]
+    one = ["--trainer.max_epochs", "1"]
+    assert _fit([*BOOLEAN, *one, "--seed_everything", "0"], tmp_path) == 0
+    assert _fit([*majority, *one, "--seed_everything", "0"], tmp_path) == 0
+    assert _fit([*BOOLEAN, *one, "--seed_everything", "1"], tmp_path) == 0  # the newest run
+    others = {**_files(tmp_path / "2parity-mask-seed1"), **_files(tmp_path / "majority3-mask-seed0")}
+    resumed = _cli([*BOOLEAN, "--trainer.max_epochs", "2", "--seed_everything", "0", "--ckpt_path", "last"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from " + str(tmp_path / "2parity-mask-seed0/version_0/checkpoints/last.ckpt") in resumed.stdout
+    assert {**_files(tmp_path / "2parity-mask-seed1"), **_files(tmp_path / "majority3-mask-seed0")} == others
+    last = torch.load(tmp_path / "2parity-mask-seed0/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert last["global_step"] == 6
+    before = _files(tmp_path)
+    none = _cli([*BOOLEAN, "--seed_everything", "7", "--ckpt_path", "last"], tmp_path)
+    assert none.returncode == 2 and "Traceback" not in none.stderr, none.stderr[-3000:]
+    assert "--ckpt_path last: none of the 3 run(s) under" in none.stderr and "seed_everything" in none.stderr
+    assert _files(tmp_path) == before

@@ -172,6 +172,21 @@ def check_checkpoint_binds(checkpoint: Checkpoint, model: Mapping[str, Any], dat
         )
 
 
+def check_same_optimizer(checkpoint: Checkpoint, model: Mapping[str, Any]) -> None:
+    """A resumed fit continues the checkpoint's optimizer state: refuse another optimizer class, naming both (its
+    options may change: run/resume.py applies them)."""
+    then = _plain(checkpoint.hparams.get("optimizer"))
+    now = _plain((_plain(model) or {}).get("optimizer"))
+    then = then.get("class_path") if isinstance(then, Mapping) else None
+    now = now.get("class_path") if isinstance(now, Mapping) else None
+    if then and now and then != now:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was trained with model.optimizer {then}, the config asks for {now}: a "
+            "resumed fit continues the checkpoint's optimizer state. Expected the same optimizer class (its options "
+            "may change), or a new fit without --ckpt_path"
+        )
+
+
 # ------------------------------------------------------------------------------- a fit's options
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)

@@ -39,6 +39,7 @@ from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import allocator, checks, config_files, errors, precision
 from lightning_maskprior.run import status as run_status
 from lightning_maskprior.run.atomic import AtomicCheckpointIO
+from lightning_maskprior.run.resume import ResumedOptions
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, StudyRunDir
 
 
@@ -88,6 +89,8 @@ class MaskPriorCLI(LightningCLI):
             self.checkpoint = Checkpoint(ckpt_path)
         try:
             checks.check_checkpoint_binds(self.checkpoint, config.get("model"), _datamodule_spec(config.get("data")))
+            if subcommand == "fit":
+                checks.check_same_optimizer(self.checkpoint, config.get("model"))
         except checks.CheckpointError as err:
             _bad_input(str(err))
 
@@ -124,6 +127,8 @@ class MaskPriorCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         # Every fit keeps last.ckpt (saved at the end of training and on SIGTERM/SIGINT), unless checkpointing is off.
         callbacks = [*callbacks, StopOnSignal(), FinalCheckpoint(), RNGStates(), StopOnDivergence()]
+        if self.subcommand == "fit":
+            callbacks.append(ResumedOptions())  # a resumed fit trains with the config's optimizer options
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
             run_dir = RunDir.of_checkpoint(self.config.predict.get("ckpt_path"))
             callbacks.append(PredictionWriter(run_dir.path if run_dir is not None else None))
@@ -278,17 +283,46 @@ def _resolve_last(config, subcommand: str) -> str:
     """``--ckpt_path last``: the newest run's ``last.ckpt`` under ``trainer.default_root_dir`` (the newest intact
     checkpoint beside it if that one is cut short), the same for fit, validate, test and predict."""
     root = Path(config.trainer.get("default_root_dir") or ".")
-    found, note = RunDir.resolve_last(root)
-    if found is None:
+    lasts = RunDir.lasts(root)
+    if not lasts:
         then = "train from scratch (omit --ckpt_path)" if subcommand == "fit" else "train one first"
         _bad_input(f"--ckpt_path last: no {RunDir.LAST} under {root}/*/*/{RunDir.CHECKPOINTS}/; expected a run trained "
                    f"there ({then}) "
                    "or a checkpoint file")
+    # Only a run of this config (its task, init and seed): the newest run under the root may be another one.
+    others = []
+    for last in lasts:
+        found, note = RunDir.resolve_last(root, last)
+        problems = _other_run(found, config)
+        if not problems:
+            break
+        others.append((last, problems))
+    else:
+        newest, problems = others[0]
+        _bad_input(f"--ckpt_path last: none of the {len(others)} run(s) under {root} is of this config (the newest, "
+                   f"{newest.parent.parent}: {problems}); expected a run of this task, init and seed there, or a "
+                   "checkpoint file")
     if note:
         print(f"maskprior: {note}", flush=True)
     if subcommand == "fit":
         print(f"resuming from {found}", flush=True)
     return str(found)
+
+
+def _other_run(ckpt: Path, config) -> str | None:
+    """How the run of checkpoint ``ckpt`` differs from the one ``config`` describes (binding options, seed), or
+    None for the same run."""
+    try:
+        problems = checks.binding_mismatch(Checkpoint(ckpt).hparams, config.get("model"),
+                                           _datamodule_spec(config.get("data")))
+    except checks.CheckpointError:
+        return None  # unreadable: choosing it names the problem
+    run_dir = RunDir.of_checkpoint(ckpt)
+    then = run_dir.config().get("seed_everything") if run_dir is not None else None
+    now = config.get("seed_everything")
+    if isinstance(then, int) and isinstance(now, int) and not isinstance(now, bool) and then != now:
+        problems.append(f"seed_everything: checkpoint {then}, config {now}")
+    return "; ".join(problems) or None
 
 
 def _without_purge_step(trainer_config) -> None:

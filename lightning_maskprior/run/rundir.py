@@ -41,6 +41,7 @@ class RunDir:
     CHECKPOINTS = "checkpoints"
     LAST = "last.ckpt"
     PREDICTIONS = "predictions.csv"
+    CHANGES = "changes.yaml"  # options a resumed fit changed, with the step they took effect at (run/resume.py)
     FILES_WITHOUT_RESULTS = (CONFIG, HPARAMS, TOKENIZER)  # what a run writes before it has measured anything
 
     def __init__(self, path: str | Path) -> None:
@@ -77,6 +78,10 @@ class RunDir:
     @property
     def predictions(self) -> Path:
         return self.path / self.PREDICTIONS
+
+    @property
+    def changes(self) -> Path:
+        return self.path / self.CHANGES
 
     # ------------------------------------------------------------------------------------------------ facts
     def config(self) -> dict[str, Any]:
@@ -144,11 +149,17 @@ class RunDir:
         return found[-1] if found else None
 
     @classmethod
-    def resolve_last(cls, root: str | Path) -> tuple[Path | None, str | None]:
-        """What ``--ckpt_path last`` means under ``root``: the newest run's ``last.ckpt``, or, when that file is
-        not intact, the newest intact checkpoint beside it. Returns the path (None: no checkpoint at all) and a
-        line saying what was chosen instead, if anything was."""
-        last = cls.newest_last(root)
+    def lasts(cls, root: str | Path) -> list[Path]:
+        """Every ``<root>/<name>/<version>/checkpoints/last.ckpt``, the newest first."""
+        return sorted(Path(root).glob(f"*/*/{cls.CHECKPOINTS}/{cls.LAST}"), key=lambda p: p.stat().st_mtime,
+                      reverse=True)
+
+    @classmethod
+    def resolve_last(cls, root: str | Path, last: Path | None = None) -> tuple[Path | None, str | None]:
+        """What ``--ckpt_path last`` means under ``root`` (or for the run of ``last``): the newest run's
+        ``last.ckpt``, or, when that file is not intact, the newest intact checkpoint beside it. Returns the path
+        (None: no checkpoint at all) and a line saying what was chosen instead, if anything was."""
+        last = last if last is not None else cls.newest_last(root)
         if last is None:
             return None, None
         if Checkpoint(last).is_intact():
