@@ -71,7 +71,11 @@ class PriorPersistence(Callback):
     - ``qk_drift``: ``||Wq^T Wk - Wq0^T Wk0||_F / ||Wq0^T Wk0||_F`` (the bilinear form of the logits).
     - ``grad_prior``, ``grad_q``, ``grad_k``: Frobenius norms of the training gradients of M and of
       the head's Wq and Wk (arXiv 2608.00418, Corollary 1, measured), taken just before the optimizer step
-      that produced the logged step; not at step 0.
+      that produced the logged step; not at step 0. For a ``relative`` or ``low_rank`` prior, ``grad_prior`` is
+      the norm of the gradient of the parameters that hold M.
+
+    M is read as each layer's :meth:`~lightning_maskprior.attention.PriorCarrier.prior_matrix`, whatever its
+    parameterisation.
 
     A prior shared by all heads (shape (1, N, N)) is logged as head 0. The summaries go to ``persistence/``:
     the means over layers and heads as ``persistence/<metric>``, and:
@@ -126,8 +130,7 @@ class PriorPersistence(Callback):
         self._probe = to_device(probe_batch(trainer, self.probe_size, self.probe_split, self.probe_seed),
                                 pl_module.device)
         if self.initial_qk is None:
-            self.initial_prior = [None if a.prior_logits is None else a.prior_logits.detach().clone()
-                                  for a in layers]
+            self.initial_prior = [None if (m := a.prior_matrix()) is None else m.detach().clone() for a in layers]
             self.initial_qk = [tuple(w.detach().clone() for w in a.query_key_weights())
                                if a.has_query_key_weights else None for a in layers]
         device = pl_module.device
@@ -173,9 +176,9 @@ class PriorPersistence(Callback):
                 if open_all is not None:
                     target = open if bias.shape[0] == open.shape[0] else open[:1]
                     _put(values, "prior_corr", l, pearson(bias.flatten(1), target.flatten(1).float()))
-                initial = self.initial_prior[l]
-                if initial is not None and initial.shape == layer.prior_logits.shape:
-                    drift = (layer.prior_logits - initial).double().pow(2).mean(dim=(-2, -1)).sqrt()
+                initial, matrix = self.initial_prior[l], layer.prior_matrix()
+                if initial is not None and initial.shape == matrix.shape:
+                    drift = (matrix - initial).double().pow(2).mean(dim=(-2, -1)).sqrt()
                     _put(values, "prior_drift", l, drift)
             if self.initial_qk[l] is not None:  # a layer with grouped-query attention has no Wk per head
                 wq, wk = layer.query_key_weights()
@@ -190,9 +193,9 @@ class PriorPersistence(Callback):
             if grad_q is not None and grad_k is not None:
                 _put(values, "grad_q", l, grad_q.flatten(1).norm(dim=1))
                 _put(values, "grad_k", l, grad_k.flatten(1).norm(dim=1))
-            prior = layer.prior_logits
-            if prior is not None and prior.grad is not None:
-                _put(values, "grad_prior", l, prior.grad.flatten(1).norm(dim=1))
+            grad_prior = layer.prior_gradient_norms()
+            if grad_prior is not None:
+                _put(values, "grad_prior", l, grad_prior)
         return values
 
     def _measure(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:

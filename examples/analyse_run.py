@@ -29,7 +29,7 @@ def main(run_dir: str) -> dict[str, float]:
     print(probs[0][0, 0].numpy().round(2))
 
     layer = attention_layers(module)[0]
-    prior = getattr(layer, "prior_logits", None)
+    prior = layer.prior_matrix()  # M whatever holds it (full, relative, low_rank)
     if prior is not None:
         print(f"prior sigmoid(M) of layer 0, head 0 (init {module.init_method}):")
         print(torch.sigmoid(prior.detach()).reshape(-1, *prior.shape[-2:])[0].numpy().round(2))

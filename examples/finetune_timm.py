@@ -43,7 +43,7 @@ def main(out_dir: str = "runs/finetune_timm") -> None:
     run_dir = max((out / "runs").rglob("version_*"), key=lambda p: p.stat().st_mtime)
     module, _ = load_run(run_dir)
     for index, layer in enumerate(attention_layers(module)):
-        m = layer.prior_logits.detach()
+        m = layer.prior_matrix().detach()
         print(f"layer {index}: {int((m > 0).sum())} of {m.numel()} prior entries open (M > 0), M in "
               f"[{m.min().item():.2f}, {m.max().item():.2f}]")
 

@@ -1,8 +1,19 @@
 """PriorAttention: multi-head self-attention whose logits get a learnable prior ``log sigmoid(M)``.
 
-This is the only attention class the project's backbones use. ``M`` is a parameter of shape (heads, N, N)
-(or (1, N, N), shared by every head) that the init methods in ``inits.py`` fill in; without a prior the layer
-is plain attention.
+This is the only attention class the project's backbones use. ``M`` is a (heads, N, N) matrix (or (1, N, N), shared
+by every head) that the init methods in ``inits.py`` fill in; without a prior the layer is plain attention. How
+``M`` is held is the layer's ``parameterisation`` (:data:`PARAMETERISATIONS`):
+
+- ``full``: ``M`` itself, the parameter ``prior_logits`` (the paper's; heads x N^2 numbers);
+- ``relative``: one value per head and offset between query and key, ``prior_offsets`` (heads, 2R - 1, 2C - 1) over
+  an R x C grid of tokens (R = 1 for a sequence: the offset i - j), so ``M`` is Toeplitz (block-Toeplitz on a patch
+  grid); prefix tokens (a CLS token, registers) keep their rows and columns as ``prior_prefix_rows`` and
+  ``prior_prefix_columns``. O(N) numbers per head;
+- ``low_rank``: ``M = U V^T + diag(d)``, ``prior_left`` U and ``prior_right`` V (heads, N, r), ``prior_diagonal`` d.
+
+Every parameterisation is installed from a full ``M`` (:meth:`PriorCarrier.set_prior`, which projects it and keeps
+the projection's error in ``projection_error``) and read back as one (:meth:`PriorCarrier.prior_matrix`): the init
+methods, the callbacks and ``export_prior`` see an (heads, N, N) ``M`` whatever holds it.
 
 Two kernels compute the same function (the tests check they agree in value and gradient):
 
@@ -21,14 +32,28 @@ Two kernels compute the same function (the tests check they agree in value and g
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import typing
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-KERNELS = ("auto", "sdpa", "explicit")
+KERNELS = ("auto", "sdpa", "explicit", "flex")
+
+Parameterisation = Literal["full", "relative", "low_rank"]
+# How a layer holds its prior M (the module doc); ``full`` is the paper's and the default.
+PARAMETERISATIONS: tuple[str, ...] = typing.get_args(Parameterisation)
+# The parameters that hold M, by parameterisation: the optimizer's prior group and the checkpoint check read them.
+PRIOR_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "full": ("prior_logits",),
+    "relative": ("prior_offsets", "prior_prefix_rows", "prior_prefix_columns"),
+    "low_rank": ("prior_left", "prior_right", "prior_diagonal"),
+}
+PRIOR_PARAMETER_NAMES: tuple[str, ...] = tuple(name for names in PRIOR_PARAMETERS.values() for name in names)
+DEFAULT_RANK = 8  # the rank r of a ``low_rank`` prior when none is given
 
 # The lowest prior term the attention adds: log sigmoid(s M) below it counts as PRIOR_FLOOR. A weight of e^-30
 # (1e-13) against an open entry's is already below float32's resolution in the softmax and in its output, so the
@@ -56,30 +81,139 @@ def set_attention_kernel(module: nn.Module, kernel: str) -> None:
         layer.kernel = kernel
 
 
+# ----------------------------------------------------------------------------- parameterisations of M
+def check_parameterisation(parameterisation: str, rank: int | None = None, grid: tuple[int, int] | None = None,
+                           prefix: int = 0) -> None:
+    """A ValueError naming the value when ``parameterisation`` and its options are not ones a layer can hold."""
+    if parameterisation not in PARAMETERISATIONS:
+        raise ValueError(f"parameterisation must be one of {', '.join(PARAMETERISATIONS)}; got {parameterisation!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"the rank of a low_rank prior must be a whole number >= 1, got {rank!r}")
+    if grid is not None and (len(grid) != 2 or any(int(g) < 1 for g in grid)):
+        raise ValueError(f"a relative prior's grid must be (rows, columns), each >= 1, got {grid!r}")
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        raise ValueError(f"a relative prior's prefix must be a whole number of tokens >= 0, got {prefix!r}")
+
+
+def offset_index(rows: int, cols: int, device: torch.device | str | None = None) -> Tensor:
+    """(rows * cols, rows * cols): for each pair of row-major grid tokens (i, j), the flat index of their offset
+    ``(r_i - r_j, c_i - c_j)`` in a (2 rows - 1, 2 cols - 1) table. For one row: ``i - j + cols - 1``."""
+    r = torch.arange(rows, device=device).repeat_interleave(cols)
+    c = torch.arange(cols, device=device).repeat(rows)
+    return (r[:, None] - r[None, :] + rows - 1) * (2 * cols - 1) + (c[:, None] - c[None, :] + cols - 1)
+
+
+def project_prior(logits: Tensor, parameterisation: str, rank: int = DEFAULT_RANK,
+                  grid: tuple[int, int] | None = None, prefix: int = 0) -> tuple[dict[str, Tensor], float]:
+    """The parameters that hold ``logits`` (heads, N, N) as ``parameterisation``, and the relative error of that
+    projection, ``|M - projected M|_F / |M|_F`` (0 where it is exact). Computed in float64.
+
+    - ``relative``: each offset's value is the mean of M over the pairs at that offset (exact where M depends on
+      the offset alone, a shift-invariant structure); the ``prefix`` tokens' rows and columns are kept as they are.
+    - ``low_rank``: the off-diagonal part of M truncated to rank r by SVD, split ``U sqrt(S)``, ``V sqrt(S)``; the
+      diagonal then exact. Where a singular value is 0 (M = 0, the zero init), U's column is 0 and V's a unit
+      vector: M is unchanged and U still gets a gradient (both 0 would stay 0).
+    """
+    check_parameterisation(parameterisation, rank, grid, prefix)
+    m = logits.double()
+    heads, n = m.shape[0], m.shape[-1]
+    if parameterisation == "full":
+        return {"prior_logits": logits.clone()}, 0.0
+    if parameterisation == "relative":
+        rows, cols = grid if grid is not None else (1, n - prefix)
+        if prefix + rows * cols != n or cols < 1:
+            layout = f"a {rows}x{cols} grid after " if grid is not None else ""
+            raise ValueError(f"a relative prior over {layout}{prefix} prefix tokens does not fit a {n}x{n} prior")
+        index = offset_index(rows, cols, m.device).flatten()
+        size = (2 * rows - 1) * (2 * cols - 1)
+        sums = m.new_zeros(heads, size).index_add_(1, index, m[:, prefix:, prefix:].flatten(1))
+        held = {"prior_offsets": (sums / torch.bincount(index, minlength=size)).view(heads, 2 * rows - 1, 2 * cols - 1)}
+        if prefix:
+            held["prior_prefix_rows"] = m[:, :prefix].clone()
+            held["prior_prefix_columns"] = m[:, prefix:, :prefix].clone()
+    else:
+        diagonal = m.diagonal(dim1=-2, dim2=-1)
+        u, s, vh = torch.linalg.svd(m - torch.diag_embed(diagonal))
+        r = min(int(rank), n)
+        root = s[:, :r].sqrt()
+        alive = s[:, :r] > s[:, :1] * 1e-12
+        left = u[:, :, :r] * root[:, None, :]
+        right = vh[:, :r, :].transpose(-2, -1) * torch.where(alive, root, torch.ones_like(root))[:, None, :]
+        held = {"prior_left": left, "prior_right": right,
+                "prior_diagonal": diagonal - (left * right).sum(-1)}
+    carrier = PriorCarrier(heads)
+    for name, value in held.items():
+        setattr(carrier, name, nn.Parameter(value, requires_grad=False))
+    error = (carrier.prior_matrix() - m).norm() / m.norm().clamp_min(1e-300)
+    return {name: value.to(logits.dtype) for name, value in held.items()}, float(error) if m.norm() > 0 else 0.0
+
+
 class PriorCarrier(nn.Module):
     """What carries a prior ``M``: the part of an attention layer the init methods and the callbacks use.
 
     :class:`PriorAttention` is one; a layer of a model that computes its attention itself (a Hugging Face model
     with an injected prior, ``inject.py``) holds one beside its own weights. ``attention_layers`` lists them.
+
+    ``M`` is held as the layer's ``parameterisation`` says (the module doc, :meth:`set_parameterisation`); whatever
+    holds it, :meth:`prior_matrix` gives it as an (heads or 1, N, N) tensor, and that is what everything outside
+    the layer reads.
     """
 
     def __init__(self, num_heads: int) -> None:
         super().__init__()
         self.num_heads = num_heads
-        # The prior: None (plain attention) or a (heads or 1, N, N) tensor of logits M.
+        # The prior: None (plain attention) or, for the ``full`` parameterisation, a (heads or 1, N, N) tensor of
+        # logits M. The other parameterisations' parameters (PRIOR_PARAMETERS) are None until a prior is set.
         self.prior_logits: nn.Parameter | None = None
+        for name in PRIOR_PARAMETER_NAMES[1:]:
+            setattr(self, name, None)
         # log sigmoid(prior_scale * M); the language prior uses a scale of 10.
         self.prior_scale = 1.0
+        # How set_prior holds M: the parameterisation, the rank of ``low_rank``, and the token layout of
+        # ``relative`` (prefix tokens, then a grid of rows x columns; no grid: one row of the remaining tokens).
+        self.parameterisation: str = "full"
+        self.prior_rank = DEFAULT_RANK
+        self.prior_grid: tuple[int, int] | None = None
+        self.prior_prefix = 0
+        # |M - projected M|_F / |M|_F of the last set_prior: 0 where the parameterisation holds M exactly.
+        self.projection_error = 0.0
         # When True, forward() also stores the attention probabilities in `last_attention`.
         self.record_attention = False
         self.last_attention: Tensor | None = None
+        self._offset_index: dict[tuple, Tensor] = {}  # (rows, columns, device): offset_index, built once
 
     def _reference(self) -> Tensor:
         """A weight of the layer: the prior goes to its device and dtype."""
         raise NotImplementedError
 
+    # ----------------------------------------------------------------------------- the prior
+    def set_parameterisation(self, parameterisation: str, rank: int | None = None,
+                             grid: tuple[int, int] | None = None, prefix: int = 0) -> None:
+        """Hold ``M`` as ``parameterisation`` from now on (``full``, ``relative`` or ``low_rank``).
+
+        Args:
+            parameterisation: One of :data:`PARAMETERISATIONS`.
+            rank: The rank r of ``low_rank`` (default :data:`DEFAULT_RANK`).
+            grid: For ``relative``: (rows, columns) of the tokens after the prefix, row-major (a ViT's patch grid),
+                so that offsets are 2-D; None: the tokens after the prefix are one sequence (offsets i - j).
+            prefix: For ``relative``: the tokens before the grid (CLS, registers), whose rows and columns of M are
+                held as they are.
+
+        A prior already installed is carried over: its ``M`` is projected onto the new parameterisation.
+        """
+        check_parameterisation(parameterisation, rank, grid, prefix)
+        matrix = self.prior_matrix()
+        trainable = any(p.requires_grad for p in self.prior_parameters().values())
+        self.parameterisation = parameterisation
+        self.prior_rank = DEFAULT_RANK if rank is None else int(rank)
+        self.prior_grid = None if grid is None else (int(grid[0]), int(grid[1]))
+        self.prior_prefix = int(prefix)
+        if matrix is not None:
+            self.set_prior(matrix.detach(), trainable, self.prior_scale)
+
     def set_prior(self, logits: Tensor, trainable: bool = True, scale: float = 1.0) -> None:
-        """Install ``M`` (shape (N, N), (1, N, N) or (heads, N, N)) as this layer's prior."""
+        """Install ``M`` (shape (N, N), (1, N, N) or (heads, N, N)) as this layer's prior, held as the layer's
+        ``parameterisation`` says; ``projection_error`` says how far that is from ``logits``."""
         if logits.dim() == 2:
             logits = logits.unsqueeze(0)
         if logits.dim() != 3 or logits.shape[-1] != logits.shape[-2]:
@@ -91,24 +225,75 @@ class PriorCarrier(nn.Module):
             )
         param = self._reference()
         data = logits.detach().to(device=param.device, dtype=param.dtype).clone()
-        self.prior_logits = nn.Parameter(data, requires_grad=trainable)
+        self.clear_prior()
+        if self.parameterisation == "full":
+            held, error = {"prior_logits": data}, 0.0
+        else:
+            held, error = project_prior(data, self.parameterisation, self.prior_rank, self.prior_grid,
+                                        self.prior_prefix)
+        for name, value in held.items():
+            setattr(self, name, nn.Parameter(value.to(param.dtype), requires_grad=trainable))
         self.prior_scale = float(scale)
+        self.projection_error = error
 
     def clear_prior(self) -> None:
         """Remove the prior: the layer becomes plain attention."""
-        self.prior_logits = None
+        for name in PRIOR_PARAMETER_NAMES:
+            setattr(self, name, None)
         self.prior_scale = 1.0
+        self.projection_error = 0.0
+
+    def prior_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters that hold ``M`` now, by name (empty without a prior)."""
+        return {name: p for name in PRIOR_PARAMETER_NAMES if (p := getattr(self, name)) is not None}
+
+    @property
+    def has_prior(self) -> bool:
+        """Whether the layer carries a prior (in any parameterisation)."""
+        return bool(self.prior_parameters())
+
+    def prior_matrix(self) -> Tensor | None:
+        """``M`` as an (heads or 1, N, N) tensor, whatever holds it (differentiable; for ``full`` the parameter
+        ``prior_logits`` itself), or None without a prior. The one reading of the prior outside the layer."""
+        return self._assemble(lambda values: values)
 
     def prior_bias(self) -> Tensor | None:
         """The additive term ``log sigmoid(scale * M)`` (heads or 1, N, N), or None."""
-        if self.prior_logits is None:
-            return None
-        return F.logsigmoid(self.prior_scale * self.prior_logits)
+        # Elementwise, so a relative prior takes it of its O(N) values before they are spread over N x N.
+        return self._assemble(lambda values: F.logsigmoid(self.prior_scale * values))
 
     def attention_bias(self) -> Tensor | None:
         """The prior as the attention adds it to its logits: :meth:`prior_bias` floored at :data:`PRIOR_FLOOR`."""
         bias = self.prior_bias()
         return None if bias is None else bias.clamp(min=PRIOR_FLOOR)
+
+    def prior_gradient_norms(self) -> Tensor | None:
+        """Per head (heads or 1,): the Frobenius norm of the training gradient of the prior's parameters (for
+        ``full``, of M itself), or None where there is no prior or no gradient yet."""
+        grads = [p.grad for p in self.prior_parameters().values() if p.grad is not None]
+        if not grads:
+            return None
+        return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads]).sum(0).sqrt()
+
+    def _assemble(self, elementwise: Callable[[Tensor], Tensor]) -> Tensor | None:
+        """``elementwise(M)`` as (heads or 1, N, N), ``elementwise`` applied where it costs least."""
+        if self.prior_logits is not None:
+            return elementwise(self.prior_logits)
+        if self.prior_offsets is not None:
+            offsets = self.prior_offsets
+            rows, cols = (offsets.shape[1] + 1) // 2, (offsets.shape[2] + 1) // 2
+            key = (rows, cols, offsets.device)
+            if key not in self._offset_index:
+                self._offset_index[key] = offset_index(rows, cols, offsets.device)
+            grid = elementwise(offsets).flatten(1)[:, self._offset_index[key]]
+            if self.prior_prefix_rows is None:
+                return grid
+            columns = torch.cat([elementwise(self.prior_prefix_columns), grid], dim=-1)
+            return torch.cat([elementwise(self.prior_prefix_rows), columns], dim=-2)
+        if self.prior_left is not None:
+            low_rank = self.prior_left @ self.prior_right.transpose(-2, -1)
+            return elementwise(low_rank + torch.diag_embed(self.prior_diagonal))
+        return None
 
     # The weights the structure-free and query/key inits write and the callbacks measure, as views into the
     # layer's own parameters (writing into a view writes the layer). ``dim``, ``head_dim`` and ``inner_dim``
@@ -150,7 +335,8 @@ class PriorAttention(PriorCarrier):
         attn_drop: Dropout on the attention probabilities (training only).
         proj_drop: Dropout after the output projection.
         causal: Add a causal mask (token i sees tokens j <= i), combined with any prior.
-        kernel: ``auto`` (per device and dtype, :func:`kernel_for`), ``sdpa`` or ``explicit``.
+        kernel: ``auto`` (per device and dtype, :func:`kernel_for`), ``sdpa``, ``explicit`` or ``flex``
+            (:func:`flex_prior_attention`: FlexAttention, for a relative prior on CUDA; chosen only when asked for).
     """
 
     def __init__(
@@ -181,7 +367,7 @@ class PriorAttention(PriorCarrier):
 
     @property
     def kernel(self) -> str:
-        """Which kernel computes the attention: ``auto``, ``sdpa`` or ``explicit``."""
+        """Which kernel computes the attention: ``auto``, ``sdpa``, ``explicit`` or ``flex``."""
         return self._kernel
 
     @kernel.setter
@@ -241,9 +427,17 @@ class PriorAttention(PriorCarrier):
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
         # SDPA takes its mask in the query's dtype; the explicit kernel adds the prior to float32 logits, so
         # that under bf16 autocast neither the sum nor the gradient of M is rounded to 8 bits of mantissa.
-        bias = self._attn_bias(seq_len, q.dtype if kernel == "sdpa" else torch.promote_types(q.dtype, torch.float32))
+        bias = None if kernel == "flex" and not self.record_attention else self._attn_bias(
+            seq_len, q.dtype if kernel == "sdpa" else torch.promote_types(q.dtype, torch.float32))
         is_causal = self.causal and bias is None
-        if kernel == "explicit":
+        if kernel == "flex":
+            if dropout_p:
+                raise ValueError(f"the flex attention kernel has no attention dropout; got attn_drop={dropout_p}: "
+                                 "use kernel sdpa or explicit, or no attention dropout")
+            if self.record_attention:
+                self.last_attention = self.reference_probs(q, k, bias, is_causal).detach()
+            out = flex_prior_attention(self, q, k, v)
+        elif kernel == "explicit":
             probs = self.reference_probs(q, k, bias, is_causal)
             if self.record_attention:
                 self.last_attention = probs.detach()
@@ -276,6 +470,60 @@ class PriorAttention(PriorCarrier):
             future = torch.ones(n, n, dtype=torch.bool, device=logits.device).triu(1)
             logits = logits.masked_fill(future, float("-inf"))
         return softmax_rows(logits).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+_FLEX: dict[str, Callable] = {}  # the compiled flex_attention, and causal block masks by (N, device)
+
+
+def flex_prior_attention(layer: PriorCarrier, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Attention with ``layer``'s prior through FlexAttention's ``score_mod``: (B, H, N, D) in, (B, H, N, D) out.
+
+    A ``relative`` prior over one sequence (no grid, no prefix) is never spread over N x N: ``score_mod`` reads its
+    table of ``log sigmoid(s M)`` per offset (heads, 2N - 1) at ``q_idx - kv_idx``, and the gradient flows into the
+    table through the captured tensor. Any other prior is read from its (heads, N, N) :meth:`attention_bias`. A
+    causal layer passes its mask as a block mask, so fully masked blocks are skipped.
+
+    On CUDA this runs ``torch.compile(flex_attention)``. Elsewhere FlexAttention runs unfused and has no backward (a
+    CPU raises when a gradient is needed); the explicit kernel is the CPU's. ``benchmarks/gpu_check.py`` checks
+    this kernel against the explicit one, in value and in the gradient of the prior.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, heads, n, _ = q.shape
+    score_mod = None
+    if layer.has_prior:
+        offsets = layer.prior_offsets
+        if offsets is not None and layer.prior_prefix_rows is None and offsets.shape[1] == 1:
+            # (heads or 1, 2N - 1): log sigmoid(s M) at each offset i - j + N - 1, floored as the other kernels do
+            table = F.logsigmoid(layer.prior_scale * offsets[:, 0].float()).clamp(min=PRIOR_FLOOR)
+            if table.shape[-1] != 2 * n - 1:
+                raise ValueError(f"prior is {(table.shape[-1] + 1) // 2} tokens long but the sequence has {n} tokens")
+            table = table.expand(heads, -1)
+
+            def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return score + table[h, q_idx - kv_idx + n - 1]
+        else:
+            bias = layer.attention_bias().float()
+            if bias.shape[-1] != n:
+                raise ValueError(f"prior is {bias.shape[-1]}x{bias.shape[-1]} but the sequence has {n} tokens")
+            bias = bias.expand(heads, -1, -1)
+
+            def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return score + bias[h, q_idx, kv_idx]
+    block_mask = None
+    if getattr(layer, "causal", False):
+        key = f"causal {n} {q.device}"
+        if key not in _FLEX:
+            _FLEX[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, n, n,
+                                           device=q.device)
+        block_mask = _FLEX[key]
+    run = flex_attention
+    if q.device.type == "cuda":
+        if "compiled" not in _FLEX:
+            _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+        run = _FLEX["compiled"]
+    return run(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
 # One 512-bit vector of float32 (16) and of bfloat16 (32) elements.

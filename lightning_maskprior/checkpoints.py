@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_maskprior.attention import PRIOR_PARAMETER_NAMES, PRIOR_PARAMETERS
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read, or that was trained with another model than the config builds."""
@@ -22,6 +24,8 @@ _OPTIONS: list[tuple[str, str, Any]] = [
     ("sequence length", r"(^|\.)pos_embed(ding)?$", lambda s: s[1] if len(s) == 3 else s[0]),
     ("attention width", r"(^|\.)blocks\.0\.attn\.qkv\.weight$", lambda s: f"{s[0] // 3} (num_heads x head_dim)"),
     ("prior shape", r"(^|\.)blocks\.0\.attn\.prior_logits$", tuple),
+    ("relative prior shape", r"(^|\.)blocks\.0\.attn\.prior_offsets$", tuple),
+    ("low-rank prior shape", r"(^|\.)blocks\.0\.attn\.prior_left$", tuple),
     ("mlp width", r"(^|\.)blocks\.0\.mlp\.(0|fc1)\.weight$", lambda s: s[0]),
     ("vocabulary size", r"(^|\.)token_embedding\.weight$", lambda s: s[0]),
     ("outputs", r"(^|\.)head\.weight$", lambda s: s[0]),
@@ -38,6 +42,17 @@ def _options(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         if key is not None and shapes[key]:
             found[name] = read(shapes[key])
     return found
+
+
+def _is_prior(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] in PRIOR_PARAMETER_NAMES
+
+
+def _parameterisation(keys: Iterator[str]) -> str | None:
+    """How the prior of a state dict is held (``full``, ``relative``, ``low_rank``), read from its parameter names;
+    None where it has no prior."""
+    names = {key.rsplit(".", 1)[-1] for key in keys}
+    return next((kind for kind, held in PRIOR_PARAMETERS.items() if names & set(held)), None)
 
 
 def checkpoint_mismatch(checkpoint: Mapping[str, Any], model: nn.Module, strict: bool = True) -> str | None:
@@ -63,9 +78,12 @@ def checkpoint_mismatch(checkpoint: Mapping[str, Any], model: nn.Module, strict:
         parts.append(f"does not fit the model the config builds: {shown}")
     init_then = (checkpoint.get("hyper_parameters") or {}).get("init")
     init_now = getattr(model, "hparams", {}).get("init")
-    priors_differ = any(k.endswith("prior_logits") for k in missing + unexpected)
-    if priors_differ and init_then is not None and init_then != init_now:
-        has = "has" if any(k.endswith("prior_logits") for k in unexpected) else "has no"
+    priors_differ = any(_is_prior(k) for k in missing + unexpected)
+    held_then, held_now = _parameterisation(saved), _parameterisation(ours)
+    if priors_differ and held_then is not None and held_now is not None and held_then != held_now:
+        parts.append(f"holds its prior as parameterisation {held_then!r}, the config asks for {held_now!r}")
+    elif priors_differ and init_then is not None and init_then != init_now:
+        has = "has" if any(_is_prior(k) for k in unexpected) else "has no"
         parts.append(f"{has} a prior (trained with init {init_then!r}), the config asks for init {init_now!r}")
     elif not options and (missing or unexpected):
         if missing:

@@ -17,10 +17,17 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable, instantiate_class
 from lightning.pytorch.core.saving import save_hparams_to_yaml
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lightning_maskprior.attention import attention_layers
+from lightning_maskprior.attention import (
+    DEFAULT_RANK,
+    PRIOR_PARAMETER_NAMES,
+    Parameterisation,
+    attention_layers,
+    check_parameterisation,
+)
 from lightning_maskprior.checkpoints import check_checkpoint_fits
 from lightning_maskprior.inits import INIT_METHODS, apply_init, check_init_options
 from lightning_maskprior.models import Backbone, TokenTransformer
@@ -76,9 +83,11 @@ def _keep_plain_hparams(hparams: dict[str, Any]) -> None:
 
 
 def check_module_options(init: str, init_options: dict | None, lr_schedule: str, warmup_steps: int,
-                         prior_weight_decay: float | None) -> None:
+                         prior_weight_decay: float | None, parameterisation: str = "full",
+                         prior_rank: int = DEFAULT_RANK) -> None:
     """The module's own options, checked as ``MaskPriorModule`` does before it builds anything (also what a
     study's ``--dry_run`` checks for every run); a ValueError naming the option, its value and what it expects."""
+    check_parameterisation(parameterisation, prior_rank)
     if lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -92,6 +101,29 @@ def check_module_options(init: str, init_options: dict | None, lr_schedule: str,
     if init_options is not None and not isinstance(init_options, dict):
         raise ValueError(f"init_options must be a mapping of option: value, got {init_options!r}")
     check_init_options(init, init_options or {})  # an unknown init, option, type or range
+
+
+def set_parameterisation(backbone: nn.Module, parameterisation: str, rank: int = DEFAULT_RANK) -> None:
+    """Make every prior-carrying layer of ``backbone`` hold its prior as ``parameterisation``, with the backbone's
+    token layout for ``relative``: its prefix tokens (``num_prefix_tokens``, or the token transformer's CLS
+    ``num_extra_tokens``) and its ``patch_grid()`` if it has one."""
+    prefix = int(getattr(backbone, "num_prefix_tokens", getattr(backbone, "num_extra_tokens", 0)) or 0)
+    patch_grid = getattr(backbone, "patch_grid", None)
+    grid = tuple(patch_grid()) if callable(patch_grid) else None
+    for layer in attention_layers(backbone):
+        layer.set_parameterisation(parameterisation, rank, grid, prefix)
+
+
+def _report_projection(backbone: nn.Module, parameterisation: str) -> float:
+    """The largest relative error of projecting the init's M onto ``parameterisation`` over the layers (0: exact),
+    printed when it is not 0."""
+    errors = [layer.projection_error for layer in attention_layers(backbone) if layer.has_prior]
+    worst = max(errors, default=0.0)
+    if worst > 1e-6:
+        shown = ", ".join(f"{e:.3g}" for e in errors)
+        rank_zero_info(f"prior: the init's M held as {parameterisation} with relative error |M - projected|/|M| "
+                       f"{worst:.3g} (per layer: {shown}); the structure is not exactly {parameterisation}")
+    return worst
 
 
 class MaskPriorModule(L.LightningModule):
@@ -116,6 +148,13 @@ class MaskPriorModule(L.LightningModule):
             every other parameter. 0 by default: decay pulls M towards 0, a pull unrelated to the task's
             gradients (measured in the results: the mask's persistence with and without it). Every other
             parameter keeps the optimizer's weight decay, for every init method.
+        parameterisation: How each layer holds the prior M the init writes: ``full`` (the paper's N x N M per
+            head), ``relative`` (one value per head and query-key offset: O(N) per head; offsets are 2-D on a
+            backbone with a ``patch_grid()``, and prefix tokens keep their rows and columns) or ``low_rank``
+            (``M = U V^T + diag``, rank ``prior_rank``). The init's M is projected onto it (``relative``: the mean
+            over each offset, exact for a shift-invariant structure); the projection's relative error is printed
+            and logged as ``prior/projection_error`` when it is not 0.
+        prior_rank: The rank r of a ``low_rank`` prior.
         task: Given by the datamodule (the CLI links it); not set in YAML.
         datamodule: The datamodule the model is trained on, as ``{class_path, init_args}``; the CLI links it
             and checkpoints keep it, so ``MaskPriorModule.load_from_checkpoint(path)`` rebuilds the task (and
@@ -132,6 +171,8 @@ class MaskPriorModule(L.LightningModule):
         lr_schedule: Literal["constant", "cosine"] = "cosine",
         warmup_steps: int = 0,
         prior_weight_decay: float | None = 0.0,
+        parameterisation: Parameterisation = "full",
+        prior_rank: int = DEFAULT_RANK,
         task: TaskSpec | None = None,
         datamodule: dict[str, Any] | None = None,
     ) -> None:
@@ -141,7 +182,8 @@ class MaskPriorModule(L.LightningModule):
                 raise ValueError("MaskPriorModule needs the datamodule's TaskSpec (task=dm.task_spec()), or the "
                                  "datamodule as datamodule={'class_path': ..., 'init_args': {...}}")
             task = build_datamodule(datamodule).task_spec()
-        check_module_options(init, init_options, lr_schedule, warmup_steps, prior_weight_decay)
+        check_module_options(init, init_options, lr_schedule, warmup_steps, prior_weight_decay, parameterisation,
+                             prior_rank)
         self.save_hyperparameters(ignore=["task"])
         # A checkpoint's hyperparameters hold backbone and optimizer as {class_path, init_args}: accept that too
         # (load_from_checkpoint of a module built in Python, outside the CLI).
@@ -160,7 +202,10 @@ class MaskPriorModule(L.LightningModule):
         self.backbone = backbone(task)
         self.structure = self._resolve_structure(structure)
         self.init_options = {**task.init_defaults.get(init, {}), **(init_options or {})}
+        self.parameterisation = parameterisation
+        set_parameterisation(self.backbone, parameterisation, prior_rank)
         apply_init(init, self.backbone, self.structure, **self.init_options)
+        self.projection_error = _report_projection(self.backbone, parameterisation)
 
         self.objective = task.objective
         self.metrics = nn.ModuleDict({s: self.objective.make_metrics() for s in ("val", "test")})
@@ -223,6 +268,8 @@ class MaskPriorModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         metrics = getattr(self, "discovery_metrics", None)
+        if self.projection_error and self.logger is not None and self.global_step == 0:
+            self.logger.log_metrics({"prior/projection_error": self.projection_error}, step=0)
         if metrics and self.logger is not None and self.global_step == 0:
             self.logger.log_metrics(metrics, step=0)
             # the structure this run trained with, beside its config in hparams.yaml (the logger wrote the
@@ -300,7 +347,7 @@ class MaskPriorModule(L.LightningModule):
         prior, other = [], []
         for name, param in self.named_parameters():
             if param.requires_grad:
-                (prior if name.endswith("prior_logits") else other).append(param)
+                (prior if name.rsplit(".", 1)[-1] in PRIOR_PARAMETER_NAMES else other).append(param)
         # Named groups: LearningRateMonitor logs each group's rate as train/lr/<name> (train/lr/network for every
         # init, train/lr/prior beside it when there is a prior).
         groups = [{"params": other, "name": "network"}]

@@ -31,7 +31,7 @@ def prior_rows(module) -> list[dict]:
     rows = []
     structure = module.structure
     for l, layer in enumerate(attention_layers(module)):
-        m = layer.prior_logits
+        m = layer.prior_matrix()
         if m is None:
             continue
         m = m.detach().float()  # (heads or 1, N, N)

@@ -117,7 +117,7 @@ def test_auto_kernel_is_explicit_on_cpu_in_both_dtypes_and_bad_kernel_is_named()
     assert kernel_for("cuda", torch.bfloat16) == "sdpa"
     layer = PriorAttention(dim=8, num_heads=2)
     assert layer.kernel == "auto"
-    with pytest.raises(ValueError, match="one of auto, sdpa, explicit; got 'flash'"):
+    with pytest.raises(ValueError, match="one of auto, sdpa, explicit, flex; got 'flash'"):
         layer.kernel = "flash"
 
 
