@@ -24,7 +24,9 @@ _EXPORTS = {
     "TaskSpec": "task",
     "inject_prior": "inject",
     "export_prior": "inject",
+    "set_prior": "inject",
     "remove_prior": "inject",
+    "load_injected": "inject",
     "load_run": "run.load",
     "run_precision": "run.load",
 }

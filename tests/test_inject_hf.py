@@ -210,6 +210,12 @@ def test_maskprior_fit_trains_an_hf_decoder_with_the_language_prior(tmp_path, mo
     assert len(layers) == 2 and all(isinstance(layer, HFPrior) for layer in layers)
     assert layers[0].prior_scale == 10.0  # the language prior: log sigmoid(10 M), M_ij = -max(i - j, 0)
     torch.testing.assert_close(layers[0].prior_logits.detach()[0, 5, 3], torch.tensor(-2.0), atol=0.05, rtol=0)
+    # every weight, the trained M included, is the checkpoint's
+    from lightning_maskprior.run.rundir import find_checkpoint
+
+    saved = torch.load(find_checkpoint(run), map_location="cpu", weights_only=False)["state_dict"]
+    assert saved.keys() == module.state_dict().keys()
+    assert all(torch.equal(value, saved[key]) for key, value in module.state_dict().items())
 
 
 def test_an_hf_decoder_fine_tunes_from_a_save_pretrained_directory(tmp_path, capsys):
@@ -488,6 +494,8 @@ def test_soft_capping_comes_before_the_prior():
     recorded inputs of the first layer."""
     model = random_prior(family("gemma2"))
     attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attention.q_proj.weight.mul_(30)  # logits of several units, which a cap of 1 bends
     seen = {}
     hook = attention.register_forward_hook(lambda module, args, kwargs, out: seen.update(kwargs), with_kwargs=True)
     for layer in attention_layers(model):
