@@ -776,3 +776,33 @@ def test_a_study_killed_with_sigkill_and_rerun_gives_the_uninterrupted_tables_an
     assert rows(killed / "results.csv", ("seconds",)) == rows(whole / "results.csv", ("seconds",))
     assert rows(killed / "curves.csv.gz") == rows(whole / "curves.csv.gz")
     assert any(r["tag"] == "persistence/score" for r in rows(whole / "curves.csv.gz"))
+
+
+@pytest.mark.parametrize("study_json", [None, "{cut short", "dir"], ids=["missing", "unreadable", "a directory"])
+def test_run_directories_no_readable_study_json_vouches_for_are_refused(tmp_path, monkeypatch, study_json):
+    """Without a readable study.json, an out_dir holding another study's finished runs is refused (one line, exit 2,
+    nothing deleted) instead of those runs being deleted and redone; the study's own runs are still its own."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "out"
+    first = load_study(tiny_study(out, title="first study", seeds=[0], tasks=ONE_TASK, inits=["default"]))
+    fake_results(first, {("2parity", "default", 0): {"val/mse": 0.5, "val/acc": 0.75}})
+    if study_json == "dir":
+        (out / "study.json").mkdir()
+    elif study_json is not None:
+        (out / "study.json").write_text(study_json)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    path = tmp_path / "second.yaml"
+    path.write_text(yaml.safe_dump(tiny_study(out, title="second study", seeds=[0], tasks=ONE_TASK, inits=["default"],
+                                              args=[*TINY, "--model.lr_schedule", "constant"])))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", "study", "-c", str(path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert re.search(r"out_dir \S+ holds 1 run directory \(e.g. 2parity/default/seed0\) that no readable study.json "
+                     r"vouches for .*--replace_out_dir true", proc.stderr), proc.stderr
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.name.startswith(LOCK_NAME)}
+    assert after == before  # nothing deleted or rewritten (the study's lock file aside)
+    if study_json != "dir":  # the first study again: its finished run is its own, kept, not rerun
+        assert run_study(first, log=lambda *a, **k: None) == 0
+        assert json.loads((out / "2parity/default/seed0/result.json").read_text())["status"] == "ok"

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -41,6 +41,10 @@ from lightning_maskprior.run import status as run_status
 from lightning_maskprior.run.atomic import AtomicCheckpointIO
 from lightning_maskprior.run.resume import ResumedOptions
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, StudyRunDir
+
+
+class OneLineParser(errors.OneLineErrors, LightningArgumentParser):
+    """LightningCLI's parser with one-line errors (``error: key: expected TYPE, got VALUE``, exit 2)."""
 
 
 class MaskPriorCLI(LightningCLI):
@@ -439,7 +443,7 @@ def _run_cli(args: list[str] | None, checkpoint: Checkpoint | None = None) -> No
         save_config_kwargs={"overwrite": True},
         args=args,
         auto_configure_optimizers=False,
-        parser_class=errors.OneLineParser,
+        parser_class=OneLineParser,
         checkpoint=checkpoint,
     )
 

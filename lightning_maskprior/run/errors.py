@@ -8,8 +8,6 @@ import re
 import sys
 from typing import NoReturn
 
-from lightning.pytorch.cli import LightningArgumentParser
-
 # What each operating-system error asks of the path, by errno.
 _OS_EXPECTED = {
     errno.EACCES: "permission to read or write it",
@@ -105,7 +103,8 @@ def _parser_message(text: str) -> str | None:
 
 class OneLineErrors:
     """A jsonargparse parser whose errors are one line (``error: key: expected TYPE, got VALUE``) and exit 2, instead
-    of the usage and jsonargparse's report of every type it tried (mixed into the fit and study parsers)."""
+    of the usage and jsonargparse's report of every type it tried (mixed into the fit and study parsers; this
+    module imports no torch or Lightning, so the study's command starts fast)."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         from jsonargparse._common import debug_mode_active  # where jsonargparse decides to raise instead of exit
@@ -115,7 +114,3 @@ class OneLineErrors:
         prog = self.prog.replace(" [options]", "")
         print(f"error: {one_line(message)} (`{prog} --help` lists the options)", file=sys.stderr, flush=True)
         raise SystemExit(2)
-
-
-class OneLineParser(OneLineErrors, LightningArgumentParser):
-    """LightningCLI's parser with one-line errors."""

@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_maskprior.run import atomic
+from lightning_maskprior.run.errors import OneLineErrors
+from lightning_maskprior.run.rundir import StudyRunDir
 from lightning_maskprior.study.cell import prepare_run
 from lightning_maskprior.study.launchers import Launcher, get_launcher
 from lightning_maskprior.study.lock import study_lock
@@ -56,7 +59,10 @@ def build_parser():
     class HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         """Keeps the description's line breaks (the examples)."""
 
-    parser = ArgumentParser(prog="maskprior study", description=__doc__, formatter_class=HelpFormatter)
+    class StudyParser(OneLineErrors, ArgumentParser):
+        """Errors in one line (exit 2)."""
+
+    parser = StudyParser(prog="maskprior study", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("-c", "--config", action=ActionConfigFile,
         help="The study file (YAML) holding the options below.")
     parser.add_argument("--title", type=str | None, default=None, help="Heading of table.md (default: the file name).")
@@ -187,15 +193,37 @@ def run_study(study: Study, log=print) -> int:
 
 
 def check_out_dir_owner(study: Study) -> None:
-    """Refuse an out_dir whose study.json names another study (title or study file), unless replace_out_dir:
-    running there would delete that study's finished runs wherever their commands differ."""
+    """Refuse an out_dir whose study.json names another study (title or study file), or, with no readable
+    study.json, one that holds run directories other than this study's own (their run.json written for the run
+    this study would run there), unless replace_out_dir: running there would delete those finished runs wherever
+    their commands differ. A study.json is written at once otherwise, so the study's own runs are vouched for
+    from its first one."""
     path = study.out_dir / STUDY_FILE
-    if study.replace_out_dir or not path.is_file():
+    if study.replace_out_dir:
         return
     try:
         theirs = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # unreadable: it is rewritten from the runs
+        problem = None if isinstance(theirs, dict) else f"{path} holds no study description"
+    except FileNotFoundError:
+        theirs, problem = None, f"there is no {path}"
+    except (OSError, ValueError) as err:
+        theirs, problem = None, f"{path} cannot be read: {getattr(err, 'strerror', None) or err}"
+    if problem is not None:
+        own = {run.dir.resolve(): run for run in study.runs()}
+        found = sorted({p.parent for name in (StudyRunDir.RUN, StudyRunDir.RESULT)
+                        for p in study.out_dir.glob(f"*/*/*/{name}")})
+        others = [d for d in found if d.resolve() not in own or not any(
+            own[d.resolve()].owns(_json(d / name)) for name in (StudyRunDir.RUN, StudyRunDir.RESULT))]
+        if others:
+            raise StudyError(
+                f"out_dir {study.out_dir} holds {len(others)} run director{'y' if len(others) == 1 else 'ies'} "
+                f"(e.g. {others[0].relative_to(study.out_dir)}) that no readable {STUDY_FILE} vouches for ({problem}); "
+                "running there could delete another study's finished runs. Expected an out_dir of this study's own "
+                "(--out_dir), or --replace_out_dir true to replace them"
+            )
+        study.out_dir.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, json.dumps(study_info(study), indent=1) + "\n")
+        return
     ours = study_info(study)
     if (theirs.get("title"), theirs.get("study_file")) != (ours["title"], ours["study_file"]):
         raise StudyError(
@@ -203,6 +231,14 @@ def check_out_dir_owner(study: Study) -> None:
             f"not {ours['title']!r} (from {ours['study_file']}); running there would redo its finished runs. "
             "Expected an out_dir of this study's own (--out_dir), or --replace_out_dir true to replace them."
         )
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 KEPT = "kept from results_from"
