@@ -32,6 +32,7 @@ Two kernels compute the same function (the tests check they agree in value and g
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ PRIOR_PARAMETERS: dict[str, tuple[str, ...]] = {
 }
 PRIOR_PARAMETER_NAMES: tuple[str, ...] = tuple(name for names in PRIOR_PARAMETERS.values() for name in names)
 DEFAULT_RANK = 8  # the rank r of a ``low_rank`` prior when none is given
+LOW_RANK_FIT_STEPS = 100  # at most this many rounds of the low_rank projection (project_prior)
 
 # The lowest prior term the attention adds: log sigmoid(s M) below it counts as PRIOR_FLOOR. A weight of e^-30
 # (1e-13) against an open entry's is already below float32's resolution in the softmax and in its output, so the
@@ -110,7 +112,8 @@ def project_prior(logits: Tensor, parameterisation: str, rank: int = DEFAULT_RAN
 
     - ``relative``: each offset's value is the mean of M over the pairs at that offset (exact where M depends on
       the offset alone, a shift-invariant structure); the ``prefix`` tokens' rows and columns are kept as they are.
-    - ``low_rank``: the off-diagonal part of M truncated to rank r by SVD, split ``U sqrt(S)``, ``V sqrt(S)``; the
+    - ``low_rank``: ``U V^T + diag(d)`` fitted to M by alternating a rank-r SVD of ``M - diag(d)`` with the diagonal
+      of ``M - U V^T`` (at most :data:`LOW_RANK_FIT_STEPS` rounds), U V^T split ``U sqrt(S)``, ``V sqrt(S)``; the
       diagonal then exact. Where a singular value is 0 (M = 0, the zero init), U's column is 0 and V's a unit
       vector: M is unchanged and U still gets a gradient (both 0 would stay 0).
     """
@@ -132,15 +135,24 @@ def project_prior(logits: Tensor, parameterisation: str, rank: int = DEFAULT_RAN
             held["prior_prefix_rows"] = m[:, :prefix].clone()
             held["prior_prefix_columns"] = m[:, prefix:, :prefix].clone()
     else:
-        diagonal = m.diagonal(dim1=-2, dim2=-1)
-        u, s, vh = torch.linalg.svd(m - torch.diag_embed(diagonal))
+        # Alternate the two exact steps: U V^T the rank-r SVD of M - diag(d), d the diagonal of M - U V^T. Each step
+        # lowers |M - U V^T - diag(d)|_F, so it settles (near, not always at, a rank-r M plus a diagonal).
         r = min(int(rank), n)
+        diagonal, before = m.diagonal(dim1=-2, dim2=-1), math.inf
+        for _ in range(LOW_RANK_FIT_STEPS):
+            u, s, vh = torch.linalg.svd(m - torch.diag_embed(diagonal))
+            fit = (u[:, :, :r] * s[:, None, :r]) @ vh[:, :r, :]
+            diagonal = (m - fit).diagonal(dim1=-2, dim2=-1)
+            residual = float((m - fit - torch.diag_embed(diagonal)).norm())
+            if residual >= before * (1 - 1e-9) or residual <= 1e-12 * float(m.norm()):
+                break
+            before = residual
         root = s[:, :r].sqrt()
         alive = s[:, :r] > s[:, :1] * 1e-12
         left = u[:, :, :r] * root[:, None, :]
         right = vh[:, :r, :].transpose(-2, -1) * torch.where(alive, root, torch.ones_like(root))[:, None, :]
         held = {"prior_left": left, "prior_right": right,
-                "prior_diagonal": diagonal - (left * right).sum(-1)}
+                "prior_diagonal": m.diagonal(dim1=-2, dim2=-1) - (left * right).sum(-1)}
     carrier = PriorCarrier(heads)
     for name, value in held.items():
         setattr(carrier, name, nn.Parameter(value, requires_grad=False))
