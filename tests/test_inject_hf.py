@@ -522,12 +522,20 @@ def test_soft_capping_comes_before_the_prior():
 REFUSED = {
     "an encoder-decoder architecture": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
         d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2, vocab_size=VOCAB)),
+    "an encoder-decoder architecture (BART)": lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=16, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=VOCAB)),
     "cross-attention": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=N, add_cross_attention=True)),
     "ALiBi position biases": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
         n_layer=1, n_head=2, hidden_size=16, vocab_size=VOCAB)),
     "ALiBi position biases (MPT)": lambda: transformers.MptForCausalLM(transformers.MptConfig(
         n_layers=1, n_heads=2, d_model=16, vocab_size=VOCAB, max_seq_len=N)),
+    "ALiBi position biases (Falcon)": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=16, vocab_size=VOCAB, alibi=True)),
+    "relative position biases of its own": lambda: transformers.CpmAntForCausalLM(transformers.CpmAntConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=16, dim_head=8, dim_ff=32, vocab_size=VOCAB,
+        prompt_types=2, prompt_length=2, segment_types=2)),
     "attention both ways": lambda: transformers.BertModel(transformers.BertConfig(
         num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32, vocab_size=VOCAB)),
     "an attention it computes in its own code": lambda: transformers.BioGptForCausalLM(transformers.BioGptConfig(
