@@ -421,3 +421,28 @@ def test_report_refuses_a_cut_or_corrupt_data_file_naming_it(tmp_path, capsys, d
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("2parity,mask,0,ok,60.0,bf16-mixed,,1.0,1.0,0.5,\n",
+     r"results.csv, line 8: a second row for run 2parity/mask/0 \(the first is line 6\): expected one row per run"),
+    ("2parity,mask,7,ok,60.0,bf16-mixed,,1.0,1.0,0.5,\n",
+     r"results.csv, line 8: run 2parity/mask/7 is not one of the study's runs \(.*seeds \[0, 1\]\)"),
+])
+def test_report_refuses_a_repeated_row_or_a_run_outside_the_study(tmp_path, extra, message):
+    """A mean over seeds counts each run once: a second row of a run, or a row of a seed (task, init) the study
+    does not have, is refused naming its line, through the console script, and nothing is written."""
+    import os
+    import subprocess
+    import sys
+
+    path = write_result_dir(tmp_path / "result", curves=False)
+    with open(path / "results.csv", "a") as f:
+        f.write(extra)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", "report", str(path), "--no_figures"],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert re.search(message, proc.stderr), proc.stderr
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before

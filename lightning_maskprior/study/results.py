@@ -324,10 +324,14 @@ def _study_info(path: Path) -> dict[str, Any]:
 
 def _results_rows(path: Path, info: dict[str, Any]) -> list[RunRow]:
     """results.csv's rows, refused (naming the file and the row) when a row is cut short or a value is not what a
-    study writes, or when a run of study.json has no row: a file cut at a row boundary is incomplete too."""
+    study writes, when a row is not of a run of study.json or repeats one (a mean would count it twice), or when a
+    run of study.json has no row: a file cut at a row boundary is incomplete too."""
     fixed = {"task", "init", "seed", "status", "seconds", "precision", "error", "fingerprint"}
     reader = csv.DictReader(io.StringIO(_read(path, "results table"), newline=""))
     runs = []
+    expected = {(t["name"], i.get("label", i["name"]), int(s)) for t in info["tasks"] for i in info["inits"]
+                for s in info["seeds"]}
+    lines: dict[tuple[str, str, int], int] = {}  # the line of each run's row: one row per run
     for number, row in enumerate(reader, start=2):
         where = f"{path}, line {number}"
         if None in row or None in row.values():
@@ -341,13 +345,22 @@ def _results_rows(path: Path, info: dict[str, Any]) -> list[RunRow]:
             raise ResultFileError(f"{where}: status {row.get('status')!r}; expected one of {', '.join(STATUSES)}")
         if row.get("precision") and not PRECISION.match(row["precision"]):
             raise ResultFileError(f"{where}: precision {row['precision']!r} is not a Lightning precision: cut short?")
+        run = (row["task"], row["init"], seed)
+        if run not in expected:
+            tasks, inits = [t["name"] for t in info["tasks"]], [i.get("label", i["name"]) for i in info["inits"]]
+            raise ResultFileError(f"{where}: run {'/'.join(map(str, run))} is not one of the study's runs (tasks "
+                                  f"{tasks}, inits {inits}, seeds {list(info['seeds'])}): expected one row per run of "
+                                  "study.json; `maskprior study -c FILE --table_only true` rewrites it")
+        if run in lines:
+            raise ResultFileError(f"{where}: a second row for run {'/'.join(map(str, run))} (the first is line "
+                                  f"{lines[run]}): expected one row per run; `maskprior study -c FILE --table_only "
+                                  "true` rewrites it")
+        lines[run] = number
         values = {k: v for k, v in ((k, _float(v)) for k, v in row.items() if k not in fixed) if v is not None}
         runs.append(RunRow(row["task"], row["init"], seed, row["status"], _float(row.get("seconds")),
                            row.get("precision") or None, values, row.get("error") or "",
                            row.get("fingerprint") or ""))
-    expected = {(t["name"], i.get("label", i["name"]), int(s)) for t in info["tasks"] for i in info["inits"]
-                for s in info["seeds"]}
-    missing = expected - {(r.task, r.init, r.seed) for r in runs}
+    missing = expected - lines.keys()
     if missing:
         first = "/".join(map(str, sorted(missing)[0]))
         raise ResultFileError(f"{path} has no row for {len(missing)} of the study's {len(expected)} runs (e.g. "
