@@ -128,6 +128,9 @@ class BooleanGOTUDataModule(MaskPriorDataModule):
             (``"pkg.module:fn"``, fn maps a (B, n) tensor of +-1 to (B,) values).
         seen: Your own seen condition: an expansion (seen where it is > 0) or an import path
             (fn returns a (B,) Boolean tensor).
+        structure: The oracle structure of a task of your own, as its interacting pairs (``[[3, 7]]``; symmetric,
+            every token's own entry open), if you know it: the ``mask`` init uses it, and a discovered structure is
+            scored against it (default: none).
         batch_size: Training batch size (paper: 256).
         eval_batch_size: Batch size for validation and test over the cube.
         max_train_points: Train on a seeded random sample of this many seen points (default: all).
@@ -141,6 +144,7 @@ class BooleanGOTUDataModule(MaskPriorDataModule):
         n: int = 15,
         target: FunctionSpec | None = None,
         seen: FunctionSpec | None = None,
+        structure: list[list[int]] | None = None,
         batch_size: int = 256,
         eval_batch_size: int = 4096,
         max_train_points: int | None = None,
@@ -162,9 +166,13 @@ class BooleanGOTUDataModule(MaskPriorDataModule):
         if max_train_points is not None and (isinstance(max_train_points, bool) or max_train_points < 1):
             raise ValueError(f"max_train_points must be a positive number of training points, or null for every "
                              f"seen point, got {max_train_points}")
+        if structure is not None and not custom:
+            raise ValueError(f"structure is the oracle of a task of your own (with target and seen); task {task!r} "
+                             "has its own")
         if task == "cyclic3" and not custom and n < 3:
             raise ValueError(f"cyclic3 needs n >= 3, got n={n}")
         self.task, self.n, self.custom = task, n, custom
+        self.own_structure = structure
         self.target_spec = target if custom else TASKS[task].target(n)
         self.seen_spec = seen if custom else TASKS[task].seen
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
@@ -174,7 +182,9 @@ class BooleanGOTUDataModule(MaskPriorDataModule):
 
     # ------------------------------------------------------------------ the task, for the model
     def structure(self) -> Structure | None:
-        """The task's oracle structure (None for a task of your own: give one in the model's YAML)."""
+        """The task's oracle structure (for a task of your own, its ``structure`` option; None without one)."""
+        if self.custom and self.own_structure is not None:
+            return priors.pairs(self.n, self.own_structure, name=f"{self.task}: given pairs")
         if self.custom or TASKS[self.task].structure is None:
             return None
         return TASKS[self.task].structure(self.n)
@@ -232,6 +242,13 @@ class BooleanGOTUDataModule(MaskPriorDataModule):
             train_index = train_index[pick.sort().values]
         self.train_set = TensorDictDataset(inputs=tokens[train_index], target=target[train_index].float())
         self.num_seen, self.num_unseen = int(seen.sum()), int((~seen).sum())
+        self.seen_mask = seen
+
+    def seen_region(self) -> Tensor:
+        """The seen region the task declares, as a Boolean mask over the 2^n points of the cube (point u has x_i = -1
+        where bit i of u is set): what the training points are drawn from (all of them, or ``max_train_points``)."""
+        self._build()
+        return self.seen_mask
 
     def setup(self, stage: str | None = None) -> None:
         self._build()

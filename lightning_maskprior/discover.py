@@ -4,72 +4,108 @@
     maskprior fit -c boolean/2parity.yaml -c init/mask.yaml --model.structure structure.yaml
 
 An estimator takes a datamodule (set up for ``fit``) and its own options and returns a :class:`Discovery`: the
-open pairs and, for each, why it was opened. It reads the training split only, never the evaluation split or the
-task's built-in structure. The result is written as the YAML that ``--model.structure`` reads
-(:class:`~lightning_maskprior.priors.StructureSpec`: ``pairs``, symmetric, diagonal open).
+open pairs and, for each, the evidence and whether the training data identify it. It reads the training split only
+(and, for ``fourier``, the seen condition the task declares), never the evaluation split or the task's built-in
+structure. The result is written as the YAML that ``--model.structure`` reads (:class:`~lightning_maskprior.priors.
+StructureSpec`: ``pairs`` or ``heads``, symmetric, diagonal open), with a confidence report as comments. Each
+estimator's options are declared once, in its signature (types, ranges, defaults) and its docstring: the command's
+options, ``--model.structure {discover: NAME, options: {...}}`` and the API reference all read that declaration.
 
 ``fourier`` (Boolean tasks): the min-degree interpolator (MDI) of the training data, the function a transformer
-learns from it (Abbe et al., 2023). On a GOTU seen region some products are not identifiable: wherever x0 = 1 or
-x1 = 1, ``x0 x1 = x0 + x1 - 1``, so a pair can collapse into two degree-1 terms. The rule, the same for every task:
+learns from it (Abbe et al., 2023), and what the seen region can hide. The seen condition depends on a few variables
+T; a product of the target whose part on T is a product B that the seen region turns into something else (its MDI
+there, :func:`~lightning_maskprior.fourier.collapses`) reaches the data as that image: wherever x0 = 1 or x1 = 1,
+``x0 x1 = x0 + x1 - 1`` (a pair into variables), ``x2 x5 x8 = x2 x8 + x5 x8 - x8`` (a triple into pairs). The rule:
 
-- a variable is *relevant* if a monomial of the MDI with a non-zero coefficient contains it;
-- two variables that appear together in such a monomial (of degree >= 2) interact;
-- the relevant variables that appear in no monomial of degree >= 2 (*isolated*: what a collapsed product leaves)
-  interact with each other, since the data cannot tell which of them were one product.
+- a pair of variables in a monomial of the MDI of degree >= 2 is *identifiable* where every product that could have
+  produced that monomial (the monomial itself, or a collapsed product whose image holds it) contains the pair;
+- a collapsed product B x chi_R is a *candidate* where the MDI holds every non-constant term of B's image (times
+  chi_R): its pairs open too, as *not identifiable* (the data fit it, and fit the image's terms taken one by one);
+- a product the seen region turns into a constant (a variable it fixes) leaves no trace: named, nothing opened.
 
-Two estimators read a model trained on the training split instead, so they work for any datamodule. Each trains
-a fresh, structure-free copy of the run's model (the same backbone and optimizer) for ``steps`` optimizer steps, in
-a forked random state seeded with ``seed`` (the run's own initialisation and data order are untouched):
+Only the seen condition's variables can be part of a collapsed product, so a degree-1 term of another variable
+opens nothing. The MDI is computed from the declared seen region; where the training points are a sample of it
+(``max_train_points``), the lowest-degree polynomial that fits them is used, once they are shown to determine it.
+
+Two estimators read a model trained on the training split instead, so they work for any datamodule. Each trains a
+fresh, structure-free copy of the run's model (the same backbone; Adam at the estimator's ``lr``, not the run's
+optimizer) for ``steps`` steps, once per seed of ``seeds``, in a forked random state (the run's own initialisation
+and data order are untouched). Each seed's model must fit: its training loss (on ``probe_size`` training examples)
+must end at most ``max_loss_ratio`` x its loss at initialisation, or the estimator raises :class:`NotFitted`.
 
 ``attention``: the model trained with the default init; on ``probe_size`` training examples, each layer's and
-head's attention probabilities are averaged, and pair (i, j) scores ``sqrt(P_ij P_ji)`` (high only where each
-token attends to the other: a token that every other one reads is a hub, not a pair). ``learned``: the model
-trained with a learnable prior ``M = 0`` in every layer and head and a sparsity penalty ``sparsity x sum
-sigmoid(M)`` added to the loss; the penalty pulls every entry down, the task's gradient holds up the entries it
-uses, and pair (i, j) scores ``(M_ij + M_ji) / 2``. Both then apply one rule, the same for every task: a token is
-relevant where its mean score with the other tokens stands out among the tokens of some layer and head (a robust
-z-score ``(s - median) / (1.4826 MAD)`` above ``Z_THRESHOLD``, 4), and every pair of relevant tokens opens. A
-trained model shows which tokens matter more reliably than which of them pair up (a relevant token draws
-attention from every other one), as the MDI does on a seen region.
+head's attention probabilities are averaged, and pair (i, j) scores ``sqrt(P_ij P_ji)`` in units of the uniform
+attention (high only where each token attends to the other). ``learned``: the model trained with a learnable prior
+``M = 0`` in every layer and head and a sparsity penalty ``sparsity x sum sigmoid(M)``; pair (i, j) scores
+``(M_ij + M_ji) / 2``. Both then apply one rule: a token is relevant in a layer and head where its mean score with
+the other tokens stands above the median token's by at least ``min_effect`` (in the score's units) and by a robust
+z-score ``(s - median) / (1.4826 MAD)`` above ``z_threshold``; every pair of tokens relevant in some layer and head
+opens, if every seed found it. A trained model shows which tokens matter more reliably than which of them pair up.
 
-Every estimator also gives its *interactions*: the sets of tokens it takes for one term (fourier: each MDI monomial
-of degree >= 2 and each pair of isolated variables; the model-based ones: each pair of relevant tokens). Over a
-model's heads they are laid out by one rule (:meth:`Discovery.heads`): with at least two interactions and no more
-than heads, each gets a head of its own and the heads left over carry them all; otherwise every head carries every
-pair. Which pairs open is the estimator's; the layout decides, for instance, whether a model can keep ThreeSym's
-three products apart (on its seen region ``x0 x1 = x2``, so the data alone cannot tell a product from a variable).
+Every estimator also gives its *interactions*: the sets of tokens it takes for one term (fourier: each candidate
+product; the model-based ones: each pair of relevant tokens). Over a model's heads they are laid out by one rule
+(:meth:`Discovery.heads`): with at least two interactions and no more than heads, each gets a head of its own and the
+heads left over carry them all; otherwise every head carries every pair.
 """
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import itertools
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jsonargparse import ArgumentParser
+from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 
 from lightning_maskprior.attention import attention_layers, attention_probabilities
-from lightning_maskprior.fourier import min_degree_interpolator, walsh_hadamard
+from lightning_maskprior.fourier import collapses, relevant_bits, sample_mdi
 from lightning_maskprior.priors import StructureSpec
 
 Estimator = Callable[..., "Discovery"]
 ESTIMATORS: dict[str, Estimator] = {}
+# what an estimator receives besides its options
+_GIVEN = ("datamodule", "make_module")
+
+
+class NotFitted(ValueError):
+    """A model-based estimator's model did not fit its training data: what it would read from it means nothing."""
+
+
+@dataclass
+class DiscoverySpec:
+    """``model.structure`` as a structure discovered from the run's training data, with the estimator's options
+    (the string ``discover:NAME`` is the same with its defaults).
+
+    Args:
+        discover: The estimator: fourier, attention, learned, or one registered with ``register_estimator``.
+        options: Its options (``maskprior discover --help`` lists each estimator's), e.g. ``{steps: 500}``.
+    """
+
+    discover: str
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class Discovery:
-    """A discovered structure: open pairs of a ``seq_len``-token sequence, why each was opened, how it was found."""
+    """A discovered structure: open pairs of a ``seq_len``-token sequence, the evidence for each, how it was found."""
 
     method: str
     seq_len: int
     pairs: list[tuple[int, int]]
-    reasons: dict[tuple[int, int], str] = field(default_factory=dict)
+    reasons: dict[tuple[int, int], str] = field(default_factory=dict)  # each pair's evidence, with its numbers
     summary: list[str] = field(default_factory=list)  # one line per fact (threshold, relevant variables, ...)
-    # The candidate interactions: each a set of tokens the estimator takes for one term (an MDI monomial, a pair of
+    # The candidate interactions: each a set of tokens the estimator takes for one term (a product, a pair of
     # relevant tokens). ``pairs`` is the union of their pairs; :meth:`heads` lays them out over heads.
     interactions: list[tuple[int, ...]] = field(default_factory=list)
+    # Per pair: True where the training data identify it, False where they do not (a product the seen region
+    # collapsed), None where it is not known (a task that is not Boolean).
+    identifiable: dict[tuple[int, int], bool | None] = field(default_factory=dict)
 
     def heads(self, num_heads: int) -> list[list[tuple[int, int]]] | None:
         """The open pairs of each of ``num_heads`` heads, or None where every head shares ``pairs``.
@@ -92,8 +128,16 @@ class Discovery:
             return StructureSpec(pairs=[list(p) for p in self.pairs])
         return StructureSpec(heads=[[list(p) for p in head] for head in heads])
 
+    def confidence(self) -> list[str]:
+        """The confidence report, one line per open pair: the estimator, whether the training data identify the
+        pair, and the evidence (a coefficient, an attention score, a learned M) with its numbers."""
+        said = {True: "identifiable", False: "NOT identifiable", None: "identifiability unknown"}
+        return [f"{i} <-> {j}  {self.method}  {said[self.identifiable.get((i, j))]}: {self.reasons.get((i, j), '')}"
+                for i, j in self.pairs]
+
     def to_yaml(self, num_heads: int | None = None) -> str:
-        """The YAML ``--model.structure`` reads, with the summary and each pair's reason as comments."""
+        """The YAML ``--model.structure`` reads, with the summary and the confidence report as comments: the
+        identifiable pairs, then those the data do not identify, then those whose identifiability is unknown."""
         heads = self.heads(num_heads) if num_heads else None
         layout = ("one pattern shared by every head" if heads is None else
                   f"laid out over {num_heads} heads: one interaction per head, the heads left over carry them all")
@@ -101,7 +145,13 @@ class Discovery:
                  *(f"# {line}" for line in self.summary),
                  f"# {len(self.pairs)} open pair(s) of {self.seq_len} tokens, symmetric, every token's own entry open; "
                  f"{layout}."]
-        lines += [f"#   {i} <-> {j}: {self.reasons.get((i, j), '')}" for i, j in self.pairs]
+        report = dict(zip(self.pairs, self.confidence(), strict=True))
+        for value, title in ((True, "identifiable from the training data"),
+                             (False, "not identifiable from the training data (opened: the data fit them)"),
+                             (None, "identifiability unknown")):
+            chosen = [p for p in self.pairs if self.identifiable.get(p) is value]
+            if chosen:
+                lines += [f"# {title}: {len(chosen)} pair(s)", *(f"#   {report[p]}" for p in chosen)]
 
         def pair_list(pairs) -> str:
             return "[" + ", ".join(f"[{i}, {j}]" for i, j in pairs) + "]"
@@ -115,7 +165,10 @@ class Discovery:
 
 
 def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: register ``fn(datamodule, **options) -> Discovery`` as estimator ``name``."""
+    """Decorator: register ``fn(datamodule, **options) -> Discovery`` as estimator ``name``. Its options are the
+    parameters after ``datamodule`` (and ``make_module``, for one that trains a model), each declared once with a
+    type (jsonargparse's constrained types give ranges: ``PositiveInt``, ...), a default, and an ``Args:`` line in
+    the docstring: what ``maskprior discover --help``, the YAML and the docs show."""
 
     def decorator(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
@@ -124,6 +177,51 @@ def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
         return fn
 
     return decorator
+
+
+def _estimator(method: str) -> Estimator:
+    if method not in ESTIMATORS:
+        raise ValueError(f"unknown discovery method {method!r}; expected one of {sorted(ESTIMATORS)}")
+    return ESTIMATORS[method]
+
+
+def estimator_options(method: str) -> list[str]:
+    """The names of estimator ``method``'s options, in its signature's order."""
+    return [n for n in inspect.signature(_estimator(method)).parameters if n not in _GIVEN]
+
+
+def options_parser(method: str, prog: str | None = None) -> ArgumentParser:
+    """A jsonargparse parser of estimator ``method``'s options, from its signature and docstring."""
+    parser = ArgumentParser(prog=prog, exit_on_error=False, description=None)
+    parser.add_function_arguments(_estimator(method), skip=set(_GIVEN), as_group=False)
+    return parser
+
+
+def check_estimator_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Estimator ``method``'s options as given (a mapping, as YAML gives them) with its defaults for the others,
+    each of its type and range; a ValueError naming the option, its value and what it expects otherwise."""
+    known = estimator_options(method)
+    if not isinstance(options, dict):
+        raise ValueError(f"the options of estimator {method!r} must be a mapping of option: value, got {options!r}")
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"estimator {method!r} has no option {', '.join(unknown)}; its options: {', '.join(known)}")
+    try:
+        parsed = options_parser(method).parse_object(options)
+    except argparse.ArgumentError as err:
+        raise ValueError(f"estimator {method!r}: {_one_line(str(err))}") from None
+    return {name: parsed[name] for name in known}
+
+
+def _one_line(message: str) -> str:
+    """jsonargparse's 'Parser key "steps":\\n  Not of type PositiveInt: -5 does not conform to restriction v>0' as
+    'option steps: not of type PositiveInt: -5 does not conform to restriction v>0'."""
+    match = re.match(r'\s*Parser key "([^"]+)":\s*(.*)', message, re.S)
+    if match:
+        key, rest = match.groups()
+        first = rest.strip().splitlines()[0].strip()
+        return f"option {key}: {first[:1].lower()}{first[1:]}"
+    return " ".join(message.split())
 
 
 def agreement(pairs: list[tuple[int, int]], structure: Any) -> dict[str, float]:
@@ -147,83 +245,146 @@ ModuleFactory = Callable[[str], Any]  # init method -> a fresh MaskPriorModule f
 def discover(method: str, datamodule: Any, make_module: ModuleFactory | None = None, **options) -> Discovery:
     """Run estimator ``method`` on ``datamodule`` (its training split) with its options. ``make_module(init)`` builds
     a fresh model to train (the model-based estimators need it; the ``maskprior discover`` command and
-    ``--model.structure discover:<method>`` give the run's own)."""
-    if method not in ESTIMATORS:
-        raise ValueError(f"unknown discovery method {method!r}; expected one of {sorted(ESTIMATORS)}")
-    estimator = ESTIMATORS[method]
-    parameters = inspect.signature(estimator).parameters
-    known = [n for n in parameters if n not in ("datamodule", "make_module")]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(f"estimator {method!r} has no option {', '.join(unknown)}; its options: {', '.join(known)}")
+    ``--model.structure discover:<method>`` give the run's own). On a Boolean task, the pairs of an estimator that
+    does not read the seen region itself are marked identifiable or not by the ``fourier`` analysis."""
+    estimator = _estimator(method)
+    options = check_estimator_options(method, options)
     datamodule.setup("fit")
-    if "make_module" in parameters:
+    if "make_module" in inspect.signature(estimator).parameters:
         if make_module is None:
             raise ValueError(f"estimator {method!r} trains a model: give make_module (the command and "
                              "--model.structure discover:<method> build the run's own)")
-        return estimator(datamodule, make_module=make_module, **options)
-    return estimator(datamodule, **options)
+        found = estimator(datamodule, make_module=make_module, **options)
+    else:
+        found = estimator(datamodule, **options)
+    if method != "fourier" and _is_boolean(datamodule):
+        _mark_identifiable(found, datamodule)
+    return found
+
+
+def _is_boolean(datamodule: Any) -> bool:
+    return callable(getattr(datamodule, "seen_region", None)) and getattr(datamodule, "n", None) is not None
+
+
+def _mark_identifiable(found: Discovery, datamodule: Any) -> None:
+    """Each pair of ``found`` marked as the fourier analysis of the same training data marks it; a pair that analysis
+    does not open is one the data give no evidence for (marked not identifiable, and said)."""
+    try:
+        data = fourier_estimator(datamodule)
+    except ValueError as err:
+        found.summary.append(f"identifiability unknown: {err}")
+        return
+    for pair in found.pairs:
+        found.identifiable[pair] = data.identifiable.get(pair, False)
+        if pair not in data.pairs:
+            found.reasons[pair] += "; the MDI of the training data holds no term with both"
 
 
 # ------------------------------------------------------------------------------------------------ fourier
-def training_mdi(inputs: torch.Tensor, targets: torch.Tensor, n: int) -> torch.Tensor:
-    """Fourier coefficients (2^n,) of the MDI of the training data: ``inputs`` (P, n) bits as GOTU's tokens
-    (0: x = -1, 1: x = +1), ``targets`` (P,). The seen region is the set of training points; values elsewhere
-    are never read (set to 0: the MDI depends on the seen values alone)."""
-    bits = (1 - inputs.long()).clamp(0, 1)  # bit i of a point's index is set where x_i = -1
-    index = (bits << torch.arange(n)).sum(dim=1)
-    seen = torch.zeros(2**n, dtype=torch.bool)
-    seen[index] = True
-    values = torch.zeros(2**n, dtype=torch.float64)
-    values[index] = targets.double()
-    return min_degree_interpolator(walsh_hadamard(values) / 2**n, seen, n)
+def _name(mask: int) -> str:
+    return "*".join(f"x{i}" for i in range(mask.bit_length()) if mask >> i & 1) or "1"
+
+
+def _expression(terms: dict[int, float]) -> str:
+    """``{0b11: 1.0, 0b1: -0.5, 0: 2.0}`` as ``x0*x1 - 0.5 x0 + 2``: highest degree first."""
+    parts = []
+    for mask, value in sorted(terms.items(), key=lambda t: (-bin(t[0]).count("1"), t[0])):
+        size = f"{abs(value):.4g}"
+        parts.append(f"{'-' if value < 0 else '+'} " + (_name(mask) if mask and size == "1" else
+                                                         f"{size} {_name(mask)}" if mask else size))
+    return " ".join(parts).removeprefix("+ ") or "0"
+
+
+def _variables(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
 @register_estimator("fourier")
-def fourier_estimator(datamodule: Any, tolerance: float = 1e-6) -> Discovery:
-    """Interacting variables of a Boolean task from the MDI of its training data (see the module docstring).
+def fourier_estimator(datamodule: Any, tolerance: PositiveFloat = 1e-6) -> Discovery:
+    """Interacting variables of a Boolean task from the MDI of its training data and what its seen region can hide
+    (see the module docstring).
 
     Args:
-        tolerance: A coefficient counts when its magnitude exceeds ``tolerance`` x the largest one.
+        tolerance: A coefficient of the MDI counts where its magnitude exceeds this fraction of the largest one.
     """
-    train = getattr(datamodule, "train_set", None)
-    n = getattr(datamodule, "n", None)
-    if train is None or n is None or not hasattr(train, "tensors"):
+    train, n = getattr(datamodule, "train_set", None), getattr(datamodule, "n", None)
+    if train is None or n is None or not hasattr(train, "tensors") or not _is_boolean(datamodule):
         raise ValueError(f"the fourier estimator needs a Boolean task (BooleanGOTUDataModule); got "
                          f"{type(datamodule).__name__}, expected a datamodule with a training set of bits and n")
-    if not tolerance > 0:
-        raise ValueError(f"tolerance must be > 0, got {tolerance!r}")
-    coefficients = training_mdi(train.tensors["inputs"], train.tensors["target"], n)
+    seen = datamodule.seen_region()
+    bits = (1 - train.tensors["inputs"].long()).clamp(0, 1)  # bit i of a point's index is set where x_i = -1
+    index = (bits << torch.arange(n)).sum(dim=1)
+    coefficients, fitted_degree = sample_mdi(index, train.tensors["target"].double(), seen, n)
+    hidden = collapses(seen, n)
+    t_mask = sum(1 << i for i in relevant_bits(seen, n))  # the variables the seen condition depends on
     largest = float(coefficients.abs().max())
-    significant = [int(s) for s in torch.nonzero(coefficients.abs() > tolerance * largest).flatten() if s]
-    monomials = [[i for i in range(n) if s >> i & 1] for s in significant]
-    relevant = sorted({i for m in monomials for i in m})
+    terms = {int(s): float(coefficients[s]) for s in torch.nonzero(coefficients.abs() > tolerance * largest).flatten()}
+    # the collapses, each with the non-constant terms of its image other than itself: what it leaves in the data
+    traces = {b: {c for c, v in image.items() if c and c != b} for b, image in hidden.items()}
+
+    pairs: dict[tuple[int, int], bool] = {}  # pair -> identifiable
     reasons: dict[tuple[int, int], str] = {}
-    interactions = [tuple(m) for m in monomials if len(m) >= 2]
-    for s, variables in zip(significant, monomials, strict=True):
-        if len(variables) >= 2:
-            name = "*".join(f"x{i}" for i in variables)
-            for pair in itertools.combinations(variables, 2):
-                reasons.setdefault(pair, f"share the MDI monomial {name} ({float(coefficients[s]):+.4g})")
-    in_products = {i for m in monomials if len(m) >= 2 for i in m}
-    isolated = [i for i in relevant if i not in in_products]
-    for pair in itertools.combinations(isolated, 2):
-        interactions.append(pair)  # each pair of isolated variables is one candidate collapsed product
-        reasons.setdefault(pair, "relevant, in degree-1 terms only (a product the seen region collapsed)")
-    summary = [f"MDI of {len(train.tensors['target'])} training points: {len(significant)} non-constant monomial(s) "
-               f"above {tolerance:g} x the largest coefficient ({largest:.4g})",
-               f"relevant variables: {', '.join(f'x{i}' for i in relevant) or 'none'}; isolated: "
-               f"{', '.join(f'x{i}' for i in isolated) or 'none'}"]
-    return Discovery("fourier", n, sorted(reasons), reasons, summary, interactions)
+    interactions: list[tuple[int, ...]] = []
+    explained: set[int] = set()
+    # candidate collapsed products: B x chi_R where the MDI holds every term of B's trace (times chi_R)
+    groups = sorted({m & ~t_mask for m in terms})
+    for b, trace in sorted(traces.items(), key=lambda t: (bin(t[0]).count("1"), t[0])):
+        if not trace:
+            continue
+        for rest in groups:
+            if all((c | rest) in terms for c in trace):
+                product = b | rest
+                image = _expression({c | rest: v for c, v in hidden[b].items()})
+                seen_as = ", ".join(f"{_name(c | rest)} ({terms[c | rest]:+.4g})" for c in sorted(trace))
+                interactions.append(tuple(_variables(product)))
+                explained |= {c | rest for c in trace}
+                for pair in itertools.combinations(_variables(product), 2):
+                    reasons.setdefault(pair, f"{_name(product)} would be {image} on the seen "
+                                             f"region, and the MDI holds {seen_as}")
+                    pairs.setdefault(pair, False)
+    # monomials of the MDI of degree >= 2: a pair is identifiable where every product that could give the monomial
+    # contains it (the monomial itself; a collapsed product B x chi_R whose trace holds the monomial's part on T)
+    for monomial, value in sorted(terms.items(), key=lambda t: (-bin(t[0]).count("1"), t[0])):
+        variables = _variables(monomial)
+        if len(variables) < 2:
+            continue
+        on_t = monomial & t_mask
+        sources = [b for b, trace in traces.items() if on_t in trace]
+        if monomial not in explained:
+            interactions.append(tuple(variables))
+        for i, j in itertools.combinations(variables, 2):
+            both = ((1 << i) | (1 << j)) & t_mask
+            others = [b for b in sources if both & ~b]
+            if not others:
+                pairs[(i, j)] = True
+                reasons[(i, j)] = f"share the MDI monomial {_name(monomial)} ({value:+.4g})"
+            elif (i, j) not in pairs:
+                pairs[(i, j)] = False
+                reasons[(i, j)] = (f"share the MDI monomial {_name(monomial)} ({value:+.4g}), which the seen region "
+                                   f"also makes of {', '.join(_name(b | (monomial & ~t_mask)) for b in others)}")
+    blind = [b for b, trace in traces.items() if not trace and b]
+    summary = [f"MDI of the {len(train.tensors['target'])} training points on the seen region the task declares "
+               f"(degree {fitted_degree}): {sum(1 for m in terms if m)} non-constant monomial(s) above {tolerance:g} x "
+               f"the largest coefficient ({largest:.4g})",
+               f"the seen condition depends on {', '.join(_name(1 << i) for i in _variables(t_mask)) or 'nothing'}; "
+               f"products it changes: " + ("; ".join(f"{_name(b)} -> {_expression(hidden[b])}" for b in
+                                                      sorted(hidden, key=lambda b: (bin(b).count('1'), b))) or "none")]
+    if blind:
+        summary.append("a product the seen region makes a constant leaves no trace in the data, so whether a term "
+                       f"also had the factor {', '.join(_name(b) for b in blind)} cannot be told (nothing opened)")
+    ordered = sorted(pairs)
+    summary.append(f"{sum(pairs.values())} identifiable pair(s), {len(pairs) - sum(pairs.values())} not identifiable")
+    return Discovery("fourier", n, ordered, {p: reasons[p] for p in ordered}, summary, _unique(interactions),
+                     {p: pairs[p] for p in ordered})
+
+
+def _unique(items: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Without repeats, and without a set contained in another one (its pairs are opened with the larger)."""
+    unique = list(dict.fromkeys(items))
+    return [t for t in unique if not any(set(t) < set(u) for u in unique)]
 
 
 # ------------------------------------------------------------------------------------- from a trained model
-def _check_positive(**values: float) -> None:
-    for name, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
-
-
 def _batches(datamodule: Any):
     """The training loader's batches, over and over."""
     while True:
@@ -235,35 +396,55 @@ def _batches(datamodule: Any):
             raise ValueError(f"{type(datamodule).__name__}'s training loader is empty")
 
 
-def _probe(datamodule: Any, size: int) -> torch.Tensor:
-    """The first ``size`` training inputs (in the loader's order)."""
-    inputs, count = [], 0
+def _probe(datamodule: Any, size: int) -> dict[str, torch.Tensor]:
+    """The first ``size`` training examples (in the loader's order), as one batch."""
+    batches, count = [], 0
     for batch in datamodule.train_dataloader():
-        inputs.append(batch["inputs"])
+        batches.append(batch)
         count += len(batch["inputs"])
         if count >= size:
             break
-    return torch.cat(inputs)[:size]
+    return {k: torch.cat([b[k] for b in batches])[:size] for k, v in batches[0].items() if torch.is_tensor(v)}
+
+
+@torch.no_grad()
+def _probe_loss(module: Any, probe: dict[str, torch.Tensor]) -> float:
+    was_training = module.training
+    module.eval()
+    try:
+        return float(module.objective.loss(module(probe["inputs"]), probe))
+    finally:
+        module.train(was_training)
 
 
 def _train(module: Any, datamodule: Any, steps: int, lr: float, penalty: Callable[[], torch.Tensor] | None = None,
-           ) -> float:
-    """``steps`` Adam steps of the module's own loss (+ ``penalty()``) on training batches; the last loss."""
+           ) -> None:
+    """``steps`` Adam steps (at ``lr``) of the module's own loss (+ ``penalty()``) on training batches."""
     optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=lr)  # M included
     module.train()
     batches = _batches(datamodule)
-    last = float("nan")
     for _ in range(steps):
         batch = next(batches)
         loss = module.objective.loss(module(batch["inputs"]), batch)
         if penalty is not None:
             loss = loss + penalty()
-        last = float(loss.detach())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
     module.eval()
-    return last
+
+
+def _check_fit(method: str, seed: int, steps: int, before: float, after: float, max_loss_ratio: float) -> str:
+    """One line on how the discovery model fitted; a :class:`NotFitted` where its loss did not fall to
+    ``max_loss_ratio`` x its loss at initialisation."""
+    ratio = after / before if before > 0 else (0.0 if after <= 0 else math.inf)
+    line = (f"seed {seed}: training loss {after:.4g} after {steps} steps, {100 * ratio:.3g}% of its {before:.4g} at "
+            f"initialisation")
+    if not ratio <= max_loss_ratio:
+        raise NotFitted(f"the {method} estimator's model did not fit its training data ({line}; fitted means at most "
+                        f"{100 * max_loss_ratio:g}%, max_loss_ratio {max_loss_ratio:g}), so what it would read from "
+                        f"it means nothing: give it more steps or another lr")
+    return line
 
 
 def _data_block(module: Any, n: int) -> int:
@@ -272,112 +453,165 @@ def _data_block(module: Any, n: int) -> int:
     return seq - n
 
 
-def _robust_z(values: torch.Tensor) -> torch.Tensor:
-    """``(v - median) / (1.4826 MAD)`` along the last axis (a spread of 0 counts as a tiny one)."""
-    values = values.double()
-    median = values.median(dim=-1, keepdim=True).values
-    spread = 1.4826 * (values - median).abs().median(dim=-1, keepdim=True).values
-    return (values - median) / spread.clamp_min(1e-9 + 1e-6 * float(values.abs().max()))
+@dataclass
+class Relevance:
+    """Where a token stands out most among the tokens of one layer and head: its robust z-score, its effect (its
+    mean score minus the median token's, in the score's units), and that layer and head."""
+
+    z: float
+    effect: float
+    layer: int
+    head: int
 
 
-def _open_pairs(scores: torch.Tensor, z_threshold: float, what: str) -> tuple[list, dict, list[int]]:
-    """The pairs among the variables that stand out. ``scores`` (layers, heads, n, n) holds a symmetric score of
-    each pair; a variable's relevance in a layer and head is its mean score with the others, and a variable is
-    relevant where that relevance's robust z-score among the n variables exceeds ``z_threshold`` in some layer and
-    head. Every pair of relevant variables opens: a trained model (like the MDI, see above) shows which variables
-    matter more reliably than which of them pair up (a relevant token draws attention from every other)."""
+def relevant_tokens(scores: torch.Tensor, z_threshold: float, min_effect: float) -> dict[int, Relevance]:
+    """The tokens that stand out, each where it stands out most. ``scores`` (layers, heads, n, n) holds a symmetric
+    score of each pair; a token's relevance in a layer and head is its mean score with the others. A token is
+    relevant in a layer and head where that relevance exceeds the median token's by at least ``min_effect`` and by
+    a robust z-score ``(s - median) / (1.4826 MAD)`` above ``z_threshold``; relevant where it is so in some layer
+    and head. Neither alone suffices: a z-score is large for any spread, however small, and an effect says nothing
+    of how far apart the other tokens are."""
     n = scores.shape[-1]
     off = ~torch.eye(n, dtype=torch.bool)
-    relevance = (scores * off).sum(-1) / (n - 1)  # (layers, heads, n)
-    z = _robust_z(relevance).flatten(0, 1)  # (layers x heads, n)
-    best = z.max(dim=0)
-    relevant = [i for i in range(n) if float(best.values[i]) > z_threshold]
+    relevance = ((scores * off).sum(-1) / (n - 1)).double().flatten(0, 1)  # (layers x heads, n)
+    median = relevance.median(dim=-1, keepdim=True).values
+    effect = relevance - median
+    spread = 1.4826 * effect.abs().median(dim=-1, keepdim=True).values
+    z = effect / spread.clamp_min(1e-9 + 1e-6 * float(relevance.abs().max()))
+    passes = (z > z_threshold) & (effect >= min_effect)
+    found = {}
+    for i in range(n):
+        where = torch.nonzero(passes[:, i]).flatten()
+        if len(where):
+            k = int(where[z[where, i].argmax()])
+            found[i] = Relevance(float(z[k, i]), float(effect[k, i]), *divmod(k, scores.shape[1]))
+    return found
+
+
+def _agreed(method: str, per_seed: dict[int, dict[int, Relevance]], what: str, unit: str, lines: list[str],
+            n: int) -> Discovery:
+    """The pairs of tokens every seed found relevant, each with its evidence in every seed."""
+    sets = [set(found) for found in per_seed.values()]
+    common = sorted(set.intersection(*sets)) if sets else []
+    pairs = list(itertools.combinations(common, 2))
     reasons = {}
-    for i, j in itertools.combinations(relevant, 2):
-        where = [divmod(int(best.indices[k]), scores.shape[1]) for k in (i, j)]
-        reasons[(i, j)] = (f"both relevant: {what} z = {float(best.values[i]):.1f} (layer {where[0][0]}, head "
-                           f"{where[0][1]}) and {float(best.values[j]):.1f} (layer {where[1][0]}, head {where[1][1]})")
-    return sorted(reasons), reasons, relevant
-
-
-def _relevant_line(relevant: list[int], z_threshold: float) -> str:
-    return (f"relevant tokens (robust z-score of their mean score above {z_threshold:g} in some layer and head): "
-            f"{', '.join(map(str, relevant)) or 'none'}; every pair of them opens")
+    for i, j in pairs:
+        evidence = "; ".join(f"seed {seed}: " + ", ".join(
+            f"{k} {found[k].effect:+.3g} {unit} above the median token, z {found[k].z:.1f} (layer {found[k].layer}, "
+            f"head {found[k].head})" for k in (i, j)) for seed, found in per_seed.items())
+        reasons[(i, j)] = f"both relevant in every seed, by {what}: {evidence}"
+    agreement_line = ("relevant tokens by seed: " + "; ".join(
+        f"seed {seed}: {', '.join(map(str, sorted(found))) or 'none'}" for seed, found in per_seed.items())
+        + f"; found by every seed: {', '.join(map(str, common)) or 'none'} (every pair of them opens)")
+    return Discovery(method, n, pairs, reasons, [*lines, agreement_line], list(pairs), dict.fromkeys(pairs))
 
 
 def _task_length(datamodule: Any) -> int:
     return int(datamodule.task_spec().seq_len)
 
 
-Z_THRESHOLD = 4.0  # the one rule of both model-based estimators: a pair opens at a robust z-score above this
+def _seeds(seeds: Sequence[int], steps: int) -> list[int]:
+    seeds = list(dict.fromkeys(int(s) for s in seeds))
+    if not seeds:
+        raise ValueError("seeds must name at least one seed, got []")
+    return seeds if steps else seeds[:1]  # a model read as it is (steps 0) is the same for every seed
+
+
+def _reference_loss(module: Any, probe: dict[str, torch.Tensor], steps: int) -> float:
+    """The loss at initialisation that a fit is measured against: the model's own before training, or (a model read
+    as it is, steps 0) that of a fresh copy of it."""
+    if steps or not callable(getattr(module, "fresh", None)):
+        return _probe_loss(module, probe)
+    return _probe_loss(module.fresh("default"), probe)
 
 
 @register_estimator("attention")
-def attention_estimator(datamodule: Any, make_module: ModuleFactory, steps: int = 300, lr: float = 1e-3,
-                        z_threshold: float = Z_THRESHOLD, probe_size: int = 256, seed: int = 0) -> Discovery:
+def attention_estimator(datamodule: Any, make_module: ModuleFactory, steps: NonNegativeInt = 300,
+                        lr: PositiveFloat = 1e-3, z_threshold: PositiveFloat = 4.0, min_effect: PositiveFloat = 0.25,
+                        probe_size: PositiveInt = 256, seeds: list[int] = (0, 1, 2),
+                        max_loss_ratio: PositiveFloat = 0.1) -> Discovery:
     """Open the pairs a briefly trained default model attends between both ways (see the module docstring).
 
     Args:
-        steps: Adam steps of the default-init model on the training split; 0 reads the model as it is (a trained
-            run's: ``maskprior discover --run DIR``).
-        lr: Its learning rate.
-        z_threshold: A token is relevant where the robust z-score of its mean attention score (``sqrt(P_ij P_ji)``,
-            high only where both tokens attend to each other) among the tokens of a layer and head exceeds this.
-        probe_size: Training examples the attention is averaged over.
-        seed: Seed of the discovery model's initialisation and batches (a forked random state).
+        steps: Adam steps of the default-init model on the training split, per seed; 0 reads the model as it is (a
+            trained run's: ``maskprior discover --run DIR``).
+        lr: Their learning rate (the discovery model's own, not the run's optimizer).
+        z_threshold: A token is relevant where the robust z-score of its mean attention score among the tokens of a
+            layer and head exceeds this (the score: ``sqrt(P_ij P_ji)``, high only where both attend to each other).
+        min_effect: A token must also exceed the median token's mean score by at least this, in units of the uniform
+            attention 1/N (the minimum effect size: a large z-score of a tiny spread opens nothing).
+        probe_size: Training examples the attention (and the loss of the fit check) is averaged over.
+        seeds: Seeds of the discovery models' initialisation and batches (forked random states); a pair opens only
+            if every seed finds it.
+        max_loss_ratio: Each seed's model must fit: its training loss must end at most this fraction of its loss at
+            initialisation, or the estimator stops, saying so.
     """
-    _check_positive(lr=lr, z_threshold=z_threshold, probe_size=probe_size)
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0 (0: read the model as make_module gives it), got {steps!r}")
     n = _task_length(datamodule)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        module = make_module("default")
-        loss = _train(module, datamodule, steps, lr) if steps else float("nan")
-        probs = attention_probabilities(module, _probe(datamodule, probe_size))
-    start = _data_block(module, n)
-    mean = torch.stack([p.float().mean(0)[:, start:, start:] for p in probs])  # (layers, heads, n, n)
-    scores = (mean * mean.transpose(-2, -1)).sqrt() * probs[0].shape[-1]
-    pairs, reasons, relevant = _open_pairs(scores, z_threshold, "mean attention both ways,")
-    trained = f"{steps} steps of the default init (final training loss {loss:.4g})" if steps else "the model as given"
-    summary = [f"{trained}; attention averaged over "
-               f"{probe_size} training examples; score sqrt(P_ij P_ji) in units of the uniform 1/{probs[0].shape[-1]}",
-               _relevant_line(relevant, z_threshold)]
-    return Discovery("attention", n, pairs, reasons, summary, pairs)
+    probe, per_seed, lines = _probe(datamodule, probe_size), {}, []
+    for seed in _seeds(seeds, steps):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            module = make_module("default")
+            before = _reference_loss(module, probe, steps)
+            _train(module, datamodule, steps, lr)
+            lines.append(_check_fit("attention", seed, steps, before, _probe_loss(module, probe), max_loss_ratio))
+            probs = attention_probabilities(module, probe["inputs"])
+        start = _data_block(module, n)
+        mean = torch.stack([p.float().mean(0)[:, start:, start:] for p in probs])  # (layers, heads, n, n)
+        scores = (mean * mean.transpose(-2, -1)).sqrt() * probs[0].shape[-1]
+        per_seed[seed] = relevant_tokens(scores, z_threshold, min_effect)
+    trained = f"{steps} Adam steps of the default init at lr {lr:g}" if steps else "the model as given"
+    head = (f"{trained}; attention averaged over {len(probe['inputs'])} training examples; a token is relevant where "
+            f"its mean score sqrt(P_ij P_ji) (in units of the uniform attention) is at least {min_effect:g} above the "
+            f"median token's and its robust z-score above {z_threshold:g}, in some layer and head")
+    return _agreed("attention", per_seed, "mean attention both ways", "x uniform", [head, *lines], n)
 
 
 @register_estimator("learned")
-def learned_estimator(datamodule: Any, make_module: ModuleFactory, steps: int = 300, lr: float = 1e-3,
-                      sparsity: float = 1e-3, z_threshold: float = Z_THRESHOLD, seed: int = 0) -> Discovery:
+def learned_estimator(datamodule: Any, make_module: ModuleFactory, steps: PositiveInt = 300, lr: PositiveFloat = 1e-3,
+                      sparsity: PositiveFloat = 1e-3, z_threshold: PositiveFloat = 4.0,
+                      min_effect: PositiveFloat = 0.1, probe_size: PositiveInt = 256, seeds: list[int] = (0, 1, 2),
+                      max_loss_ratio: PositiveFloat = 0.1) -> Discovery:
     """Open the pairs a learnable prior started at 0 holds up against a sparsity penalty (module docstring).
 
     Args:
-        steps: Adam steps with the prior M (and every other weight) trainable.
-        lr: Their learning rate.
+        steps: Adam steps with the prior M (and every other weight) trainable, per seed.
+        lr: Their learning rate (the discovery model's own, not the run's optimizer).
         sparsity: Weight of the penalty ``sum sigmoid(M)`` over every entry of every layer and head (a per-entry
             pull that does not grow or shrink with the model's size).
         z_threshold: A token is relevant where the robust z-score of its mean ``(M_ij + M_ji) / 2`` among the
             tokens of a layer and head exceeds this.
-        seed: Seed of the discovery model's initialisation and batches (a forked random state).
+        min_effect: A token must also exceed the median token's mean M by at least this (the minimum effect size:
+            a large z-score of a tiny spread opens nothing; Adam moves M by about lr per step, 0.3 in 300 steps at
+            1e-3).
+        probe_size: Training examples the loss of the fit check is averaged over.
+        seeds: Seeds of the discovery models' initialisation and batches (forked random states); a pair opens only
+            if every seed finds it.
+        max_loss_ratio: Each seed's model must fit: its training loss must end at most this fraction of its loss at
+            initialisation, or the estimator stops, saying so.
     """
-    _check_positive(steps=steps, lr=lr, sparsity=sparsity, z_threshold=z_threshold)
     n = _task_length(datamodule)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        module = make_module("default")
-        layers = attention_layers(module)
-        size = attention_probabilities(module, _probe(datamodule, 1))[0].shape[-1]
-        for layer in layers:
-            layer.set_prior(torch.zeros(layer.num_heads, size, size), trainable=True)
+    probe, per_seed, lines = _probe(datamodule, probe_size), {}, []
+    for seed in _seeds(seeds, steps):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            module = make_module("default")
+            layers = attention_layers(module)
+            size = attention_probabilities(module, probe["inputs"][:1])[0].shape[-1]
+            for layer in layers:
+                layer.set_prior(torch.zeros(layer.num_heads, size, size), trainable=True)
 
-        def penalty() -> torch.Tensor:
-            return sparsity * sum(torch.sigmoid(layer.prior_logits).sum() for layer in layers)
+            def penalty() -> torch.Tensor:
+                return sparsity * sum(torch.sigmoid(layer.prior_logits).sum() for layer in layers)  # noqa: B023
 
-        loss = _train(module, datamodule, steps, lr, penalty)
-    start = _data_block(module, n)
-    logits = torch.stack([layer.prior_logits.detach().float()[:, start:, start:] for layer in layers])
-    pairs, reasons, relevant = _open_pairs((logits + logits.transpose(-2, -1)) / 2, z_threshold, "mean M,")
-    summary = [f"{steps} steps with a learnable prior M = 0 and the penalty {sparsity:g} x sum sigmoid(M) (final "
-               f"loss {loss:.4g}); M ranges over [{float(logits.min()):.3g}, {float(logits.max()):.3g}]",
-               _relevant_line(relevant, z_threshold)]
-    return Discovery("learned", n, pairs, reasons, summary, pairs)
+            before = _probe_loss(module, probe)
+            _train(module, datamodule, steps, lr, penalty)
+            lines.append(_check_fit("learned", seed, steps, before, _probe_loss(module, probe), max_loss_ratio))
+        start = _data_block(module, n)
+        logits = torch.stack([layer.prior_logits.detach().float()[:, start:, start:] for layer in layers])
+        lines[-1] += f"; M in [{float(logits.min()):.3g}, {float(logits.max()):.3g}]"
+        per_seed[seed] = relevant_tokens((logits + logits.transpose(-2, -1)) / 2, z_threshold, min_effect)
+    head = (f"{steps} Adam steps at lr {lr:g} with a learnable prior M = 0 and the penalty {sparsity:g} x sum "
+            f"sigmoid(M); a token is relevant where its mean (M_ij + M_ji) / 2 is at least {min_effect:g} above the "
+            f"median token's and its robust z-score above {z_threshold:g}, in some layer and head")
+    return _agreed("learned", per_seed, "mean learned M", "in M", [head, *lines], n)

@@ -171,3 +171,108 @@ def min_degree_interpolator(coefficients: Tensor, seen: Tensor, n: int) -> Tenso
     grouped[on_t, rest_index] = coefficients.to(torch.float64)
     mapped = operator @ grouped
     return mapped[on_t, rest_index]
+
+
+# ------------------------------------------------------------------------------ what a seen region hides
+def subset_parity(points: Tensor, subsets: Tensor) -> Tensor:
+    """chi_S(u) = (-1)^popcount(u & S) for point indices ``points`` (P,) and subset masks ``subsets`` (K,): (P, K)."""
+    v = points.long().unsqueeze(1) & subsets.long().unsqueeze(0)
+    for shift in (32, 16, 8, 4, 2, 1):
+        v = v ^ (v >> shift)
+    return (1 - 2 * (v & 1)).to(torch.float64)
+
+
+def subsets_up_to(n: int, max_degree: int) -> Tensor:
+    """Every subset mask of n variables with at most ``max_degree`` of them, by degree then value."""
+    masks = torch.arange(2**n)
+    degrees = degree(masks)
+    order = torch.argsort(degrees * 2**n + masks)
+    return masks[order][degrees[order] <= max_degree]
+
+
+def collapses(seen: Tensor, n: int) -> dict[int, dict[int, float]]:
+    """The products that the seen region hides, each with what it becomes there.
+
+    The seen condition depends on a few coordinates T (``seen`` is a Boolean mask over the 2^n points). A monomial
+    chi_A factors as chi_{A & T} chi_{A \\ T}; on the seen region only the factor on T can change: it equals its
+    min-degree interpolator on the seen part of the small cube over T. Returns ``{B: image}`` for every subset B of T
+    whose image is not chi_B itself (``image``: subset mask -> coefficient, masks over the n variables). Any product
+    of the target whose part on T is such a B reaches the training data as ``image x chi_{A \\ T}``: a pair into its
+    two variables (2Parity), a triple into pairs (Cyclic3), a product into a variable (ThreeSym), into a constant (a
+    variable that the seen region fixes). A product whose part on T is not one of them reaches the data unchanged.
+    """
+    bits = relevant_bits(seen, n)
+    if len(bits) > 12:
+        raise ValueError(f"the seen condition depends on {len(bits)} coordinates; the exact MDI is computed only up "
+                         "to 12")
+    k = len(bits)
+    small = torch.zeros(2**k, dtype=torch.long)  # small-cube index -> cube index (the other coordinates at +1)
+    for j, b in enumerate(bits):
+        small |= ((torch.arange(2**k) >> j) & 1) << b
+    operator = mdi_operator(seen[small]) if k else torch.ones(1, 1, dtype=torch.float64)
+    found: dict[int, dict[int, float]] = {}
+    for column in range(2**k):
+        image = operator[:, column]
+        own = torch.zeros_like(image)
+        own[column] = 1.0
+        if float((image - own).abs().max()) > 1e-9:
+            found[int(small[column])] = {int(small[row]): float(image[row])
+                                         for row in torch.nonzero(image.abs() > 1e-9).flatten()}
+    return found
+
+
+def sample_mdi(index: Tensor, values: Tensor, seen: Tensor, n: int) -> tuple[Tensor, int]:
+    """Fourier coefficients (2^n,) of the MDI on the seen region of a function known only at some seen points.
+
+    ``index`` (P,): cube indices of the known points (all seen), ``values`` (P,) the function there, ``seen`` the
+    seen region (a Boolean mask over the 2^n points). Where the points are the whole seen region this is
+    :func:`min_degree_interpolator` of their values. Otherwise the lowest degree d at which a polynomial fits the
+    points exactly is found, and the points must determine a polynomial of degree d on the whole seen region (the
+    sample's rank equals the seen region's at that degree); that polynomial's MDI is returned with d.
+    A ValueError says where the sample does not determine it.
+    """
+    index, values = index.long(), values.to(torch.float64)
+    if not bool(seen[index].all()):
+        raise ValueError("a training point lies outside the seen condition the task declares")
+    if int(torch.unique(index).numel()) == int(seen.sum()):
+        dense = torch.zeros(2**n, dtype=torch.float64)
+        dense[index] = values
+        coefficients = min_degree_interpolator(walsh_hadamard(dense) / 2**n, seen, n)
+        support = torch.nonzero(coefficients.abs() > 1e-9).flatten()
+        return coefficients, int(degree(support).max()) if len(support) else 0
+    bits = relevant_bits(seen, n)
+    small = torch.zeros(2 ** len(bits), dtype=torch.long)
+    for j, b in enumerate(bits):
+        small |= ((torch.arange(2 ** len(bits)) >> j) & 1) << b
+    seen_small = small[seen[small]]  # the seen part of the small cube over T, as cube indices
+    on_t = small[torch.argsort(degree(torch.arange(len(small))), stable=True)]  # subsets of T, by degree
+    scale = max(1.0, float(values.abs().max()))
+    for d in range(n + 1):
+        subsets = subsets_up_to(n, d)
+        if len(subsets) > 2 * len(index) + 64:  # far more monomials than points: they cannot determine them
+            break
+        design = subset_parity(index, subsets)
+        solution = torch.linalg.lstsq(design, values.unsqueeze(1), driver="gelsd")
+        fitted = design @ solution.solution
+        if float((fitted.squeeze(1) - values).abs().max()) > 1e-6 * scale:
+            continue
+        # the seen region's rank at degree d: functions there are (functions on the seen part of T's small cube) x
+        # chi_R for R outside T, so it is a sum over |R| = r of C(n - k, r) x the small cube's rank at degree d - r
+        rank_seen = sum(math.comb(n - len(bits), r) * _rank_on(seen_small, on_t, d - r) for r in range(d + 1))
+        rank_sample = int(torch.linalg.matrix_rank(design))
+        if rank_sample < rank_seen:
+            raise ValueError(
+                f"the {len(index)} training points do not determine the target on the seen region: the lowest "
+                f"degree that fits them is {d}, where the seen region has {rank_seen} independent monomials and the "
+                f"points {rank_sample}; train on more points (max_train_points)")
+        coefficients = torch.zeros(2**n, dtype=torch.float64)
+        coefficients[subsets] = solution.solution.squeeze(1)
+        return min_degree_interpolator(coefficients, seen, n), d
+    raise ValueError(f"no polynomial fits the {len(index)} training points at a degree they can determine; train on "
+                     "more points (max_train_points)")
+
+
+def _rank_on(points: Tensor, subsets: Tensor, max_degree: int) -> int:
+    """Rank of the monomials ``subsets`` of degree <= ``max_degree`` on the cube points ``points``."""
+    chosen = subsets[degree(subsets) <= max_degree]
+    return int(torch.linalg.matrix_rank(subset_parity(points, chosen))) if len(chosen) else 0

@@ -29,6 +29,7 @@ from lightning_maskprior.attention import (
     check_parameterisation,
 )
 from lightning_maskprior.checkpoints import check_checkpoint_fits
+from lightning_maskprior.discover import DiscoverySpec
 from lightning_maskprior.inits import INIT_METHODS, apply_init, check_init_options
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.priors import Structure, StructureSpec
@@ -140,7 +141,8 @@ class MaskPriorModule(L.LightningModule):
             (``TaskSpec.init_defaults``: the paper's values for each benchmark).
         structure: Replace the task's own structure with one given here (pairs, per-head pairs,
             per-layer lists or a .pt/.npy file), or ``discover:<method>`` (e.g. ``discover:fourier``): the one
-            that estimator finds in the training data (``maskprior discover``), recorded in the hparams.
+            that estimator finds in the training data (``maskprior discover``), recorded in the hparams;
+            ``{discover: <method>, options: {...}}`` gives the estimator's options.
         optimizer: Optimizer class and its arguments (default Adam, lr 1e-3).
         lr_schedule: ``constant`` or ``cosine`` decay to 0 over the whole run, stepped per batch.
         warmup_steps: Linear warm-up steps before the schedule.
@@ -166,7 +168,7 @@ class MaskPriorModule(L.LightningModule):
         backbone: Callable[[TaskSpec], Backbone] = TokenTransformer,
         init: str = "default",
         init_options: dict[str, Any] | None = None,
-        structure: StructureSpec | str | None = None,
+        structure: StructureSpec | DiscoverySpec | str | None = None,
         optimizer: OptimizerCallable = _adam,
         lr_schedule: Literal["constant", "cosine"] = "cosine",
         warmup_steps: int = 0,
@@ -185,6 +187,8 @@ class MaskPriorModule(L.LightningModule):
         check_module_options(init, init_options, lr_schedule, warmup_steps, prior_weight_decay, parameterisation,
                              prior_rank)
         self.save_hyperparameters(ignore=["task"])
+        if isinstance(structure, DiscoverySpec):  # recorded as the YAML gives it
+            self.hparams["structure"] = {"discover": structure.discover, "options": dict(structure.options)}
         # A checkpoint's hyperparameters hold backbone and optimizer as {class_path, init_args}: accept that too
         # (load_from_checkpoint of a module built in Python, outside the CLI).
         if isinstance(backbone, dict):
@@ -212,8 +216,10 @@ class MaskPriorModule(L.LightningModule):
         self.mean_loss = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
 
     # ----------------------------------------------------------------------------- structure
-    def _resolve_structure(self, spec: StructureSpec | str | None) -> Structure | None:
-        if isinstance(spec, str):
+    def _resolve_structure(self, spec: StructureSpec | DiscoverySpec | str | None) -> Structure | None:
+        if isinstance(spec, dict) and "discover" in spec:  # as a checkpoint's hyperparameters keep it
+            spec = DiscoverySpec(**spec)
+        if isinstance(spec, str | DiscoverySpec):
             spec = self._discovered(spec)
         structure = spec.build(self.task.seq_len) if spec is not None else self.task.structure
         if structure is None:
@@ -233,21 +239,26 @@ class MaskPriorModule(L.LightningModule):
             return structure.union_over_heads()
         return structure
 
-    def _discovered(self, spec: str) -> StructureSpec:
-        """``discover:<method>``: the structure estimator ``method`` finds in the training split of this run's
-        datamodule (discover.py), instead of the task's own; the pairs go into the hyperparameters."""
+    def _discovered(self, spec: str | DiscoverySpec) -> StructureSpec:
+        """``discover:<method>`` or ``{discover: <method>, options: {...}}``: the structure estimator ``method`` finds
+        in the training split of this run's datamodule (discover.py), instead of the task's own; the pairs go into
+        the hyperparameters."""
         from lightning_maskprior.discover import ESTIMATORS, agreement, discover
 
-        method = spec.removeprefix("discover:")
-        if not spec.startswith("discover:") or method not in ESTIMATORS:
-            raise ValueError(f"structure {spec!r}: expected a structure (pairs, heads, layers or file) or "
-                             f"discover:<method> with a method in {sorted(ESTIMATORS)}")
+        method, options = (spec.discover, spec.options or {}) if isinstance(spec, DiscoverySpec) else (
+            spec.removeprefix("discover:"), {})
+        if isinstance(spec, str) and not spec.startswith("discover:") or method not in ESTIMATORS:
+            raise ValueError(f"structure {spec!r}: expected a structure (pairs, heads, layers or file), "
+                             f"discover:<method> or {{discover: <method>, options: {{...}}}} with a method in "
+                             f"{sorted(ESTIMATORS)}")
         if not self.hparams.get("datamodule"):
             raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
         start = time.perf_counter()
-        found = discover(method, build_datamodule(self.hparams["datamodule"]), make_module=self.fresh)
+        found = discover(method, build_datamodule(self.hparams["datamodule"]), make_module=self.fresh, **options)
         spec = found.spec(attention_layers(self.backbone)[0].num_heads)
         self.hparams["discovered_structure"] = {"method": method, "pairs": [list(p) for p in found.pairs]}
+        if options:
+            self.hparams["discovered_structure"]["options"] = dict(options)
         if spec.heads is not None:
             self.hparams["discovered_structure"]["heads"] = spec.heads
         # Logged at the start of training (discovery/*): the cost, and the match with the task's own structure,

@@ -22,49 +22,88 @@ from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import atomic, config_files
 from lightning_maskprior.run.cli import MaskPriorCLI
 
-# The estimators' options on the command line: given ones go to the method, which refuses those it does not take.
-ESTIMATOR_OPTIONS: dict[str, tuple[type, str]] = {
-    "tolerance": (float, "fourier: a coefficient counts above this fraction of the largest one (default 1e-6)."),
-    "steps": (int, "attention, learned: optimizer steps of the discovery model on the training split (default 300)."),
-    "lr": (float, "attention, learned: its Adam learning rate (default 1e-3)."),
-    "z_threshold": (float, "attention, learned: a token is relevant where the robust z-score of its mean score with "
-                           "the other tokens exceeds this in some layer and head; every pair of relevant tokens "
-                           "opens (default 4)."),
-    "probe_size": (int, "attention: training examples the attention is averaged over (default 256)."),
-    "sparsity": (float, "learned: weight of the penalty sum sigmoid(M) over every entry (default 1e-3)."),
-    "seed": (int, "attention, learned: seed of the discovery model (default 0)."),
-}
+
+def estimator_option_names() -> dict[str, list[str]]:
+    """Each option name any estimator declares, with the estimators that take it."""
+    names: dict[str, list[str]] = {}
+    for method in sorted(estimators.ESTIMATORS):
+        for name in estimators.estimator_options(method):
+            names.setdefault(name, []).append(method)
+    return names
+
+
+def _options_help() -> str:
+    """Every estimator's options, as its declaration (signature and docstring) gives them."""
+    parts = ["estimator options (each method takes its own; given here as --NAME VALUE, in YAML as "
+             "--model.structure '{discover: METHOD, options: {NAME: VALUE}}'):"]
+    for method in sorted(estimators.ESTIMATORS):
+        text = estimators.options_parser(method, prog=f"--method {method}").format_help()
+        body = text.split("options:", 1)[-1].splitlines()
+        body = [line for line in body if line.strip() and "-h, --help" not in line and "Show this help" not in line]
+        parts += ["", f"--method {method}:", *body]
+    return "\n".join(parts)
+
+
+def _split_options(argv: list[str], names: dict[str, list[str]]) -> tuple[list[str], list[tuple[str, str]]]:
+    """``argv`` without the estimator options (``--NAME VALUE`` or ``--NAME=VALUE``), and those options."""
+    rest, given, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, inline = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name in names:
+            if inline or "=" in arg:
+                given.append((name, inline))
+            elif i + 1 < len(argv):
+                given.append((name, argv[i + 1]))
+                i += 1
+            else:
+                raise ValueError(f"--{name} needs a value")
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, given
 
 
 def main(argv: list[str]) -> None:
     """``maskprior discover``: estimate a structure from a task config's training data and write it as YAML."""
     parser = argparse.ArgumentParser(
-        prog="maskprior discover", description=estimators.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="maskprior discover", description=estimators.__doc__, epilog=_options_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-c", "--config", action="append", required=True, metavar="CONFIG",
                         help="A task config (repeatable, as for maskprior fit); its datamodule's training split is "
                         "read. Other --data.* options after it override the config, as for fit.")
     parser.add_argument("--method", default="fourier", help=f"The estimator: one of {sorted(estimators.ESTIMATORS)}.")
     parser.add_argument("--out", type=Path, default=None,
-                        help="Write the structure YAML here (default: print it); give it to --model.structure.")
-    group = parser.add_argument_group("estimator options (each method takes its own; the default is the method's)")
-    for name, (kind, text) in ESTIMATOR_OPTIONS.items():
-        group.add_argument(f"--{name}", type=kind, help=text)
-    group.add_argument("--run", type=Path, help="attention: read this trained run's model (a run directory, as "
-                       "load_run takes) instead of training one; --steps defaults to 0 then.")
-    args, overrides = parser.parse_known_args(argv)
-    options = {name: getattr(args, name) for name in ESTIMATOR_OPTIONS if getattr(args, name) is not None}
+                        help="Write the structure YAML here (default: print it); give it to --model.structure. "
+                        "Never one of the -c configs.")
+    parser.add_argument("--run", type=Path, help="attention: read this trained run's model (a run directory, as "
+                        "load_run takes; a run of the task the configs describe) instead of training one; --steps "
+                        "defaults to 0 then.")
     try:
+        argv, given = _split_options(list(argv), estimator_option_names())
+    except ValueError as err:
+        _bad_input(str(err))
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        method = args.method
+        estimators.check_estimator_options(method, {})  # an unknown method, before the configs are read
+        unknown = sorted({name for name, _ in given} - set(estimators.estimator_options(method)))
+        if unknown:
+            raise ValueError(f"estimator {method!r} has no option {', '.join(unknown)}; its options: "
+                             f"{', '.join(estimators.estimator_options(method))}")
+        options = _parsed(method, given)
+        configs = [Path(c) for c in config_files.resolve_argv([a for c in args.config for a in ("-c", c)])[1::2]]
+        _check_out(args.out, configs)
+        if args.run is not None and method != "attention":
+            raise ValueError(f"--run is an option of the attention estimator, not of {method!r}")
         datamodule, module = _datamodule(args.config, overrides)
         make_module = module.fresh
         if args.run is not None:
-            if args.method != "attention":
-                raise ValueError(f"--run is an option of the attention estimator, not of {args.method!r}")
-            make_module = _trained(args.run)
+            make_module = _trained(args.run, module)
             options.setdefault("steps", 0)
-        found = estimators.discover(args.method, datamodule, make_module=make_module, **options)
+        found = estimators.discover(method, datamodule, make_module=make_module, **options)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _bad_input(str(err))
     num_heads = attention_layers(module.backbone)[0].num_heads  # the heads the structure is laid out over
     text = found.to_yaml(num_heads)
     if args.out is None:
@@ -72,15 +111,55 @@ def main(argv: list[str]) -> None:
         return
     atomic.write_text(args.out, text)
     layout = "shared by every head" if found.heads(num_heads) is None else f"one interaction per head of {num_heads}"
-    print(f"{args.out}: {len(found.pairs)} open pair(s), {layout}; {found.summary[-1]}")
+    unidentified = sum(1 for p in found.pairs if found.identifiable.get(p) is False)
+    print(f"{args.out}: {len(found.pairs)} open pair(s) ({unidentified} not identifiable from the data), {layout}; "
+          f"{found.summary[-1]}")
 
 
-def _trained(run: Path):
-    """A module factory that gives the trained model of ``run`` (whatever init is asked for)."""
+def _bad_input(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _parsed(method: str, given: list[tuple[str, str]]) -> dict[str, Any]:
+    """The estimator options given on the command line, typed and checked by the estimator's declaration."""
+    if not given:
+        return {}
+    try:
+        parsed = estimators.options_parser(method).parse_args([a for name, value in given for a in (f"--{name}",
+                                                                                                    value)])
+    except argparse.ArgumentError as err:
+        raise ValueError(f"estimator {method!r}: {estimators._one_line(str(err))}") from None
+    return {name: parsed[name] for name, _ in given}
+
+
+def _check_out(out: Path | None, configs: list[Path]) -> None:
+    """Refuse to write the structure over one of the configs it was read from."""
+    if out is None:
+        return
+    for config in configs:
+        same = out.resolve() == config.resolve() or (out.exists() and config.exists() and out.samefile(config))
+        if same:
+            raise ValueError(f"--out {out} is the config given with -c {config}: the structure would replace it; "
+                             "give another file")
+
+
+def _trained(run: Path, module: MaskPriorModule):
+    """A module factory that gives the trained model of ``run`` (whatever init is asked for), once the run is shown
+    to be one of the task the configs describe (its datamodule's options, as a checkpoint's binding checks them)."""
+    from lightning_maskprior.run.checks import binding_mismatch
     from lightning_maskprior.run.load import load_run
 
-    module, _ = load_run(run)
-    return lambda init: module
+    trained, _ = load_run(run)
+    saved = trained.hparams.get("datamodule")
+    if not saved:
+        raise ValueError(f"run {run} records no datamodule, so its task cannot be told; expected a run of the task "
+                         "the configs describe")
+    problems = binding_mismatch({"datamodule": saved}, {}, module.hparams.get("datamodule"))
+    if problems:
+        raise ValueError(f"run {run} was trained on another task than the configs describe: {'; '.join(problems)}; "
+                         f"give a run of this task, or its own config (-c {run}/config.yaml)")
+    return lambda init: trained
 
 
 def _datamodule(configs: list[str], overrides: list[str]) -> tuple[Any, MaskPriorModule]:
