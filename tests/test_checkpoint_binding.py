@@ -198,3 +198,41 @@ def test_every_checkpoint_of_a_fit_goes_through_the_atomic_writer(tmp_path, monk
     main(["fit", *config(), *COMMON, "--trainer.max_epochs", "2", "--trainer.default_root_dir", str(tmp_path)])
     written = sorted(p.name for p in tmp_path.rglob("*.ckpt"))
     assert written and set(written) <= set(saved)
+
+
+def test_load_run_refuses_a_config_yaml_edited_to_another_task(trained, tmp_path):
+    """load_run builds the datamodule from config.yaml and the model from the checkpoint: an edited task there is
+    refused naming both values, not the old model paired with the new datamodule."""
+    import shutil
+
+    from lightning_maskprior import load_run
+    from lightning_maskprior.run.rundir import CheckpointError
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpt(trained).parent.parent, run)
+    module, datamodule = load_run(run)  # its own config: accepted
+    assert datamodule.task == "2parity"
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("task: 2parity", "task: majority3"))
+    with pytest.raises(CheckpointError, match=r"config.yaml does not describe the run of checkpoint \S+last.ckpt: "
+                                              r"data.init_args.task: checkpoint '2parity', config 'majority3'"):
+        load_run(run)
+
+
+def test_a_checkpoint_that_records_no_datamodule_is_refused(trained, tmp_path):
+    """A checkpoint without hyper_parameters.datamodule (edited, or of a module built in Python with task= only) is
+    bound to no task: refused through the console script in one line, nothing written."""
+    saved = torch.load(ckpt(trained), map_location="cpu", weights_only=True)
+    del saved["hyper_parameters"]["datamodule"]
+    bare = tmp_path / "bare.ckpt"
+    torch.save(saved, bare)
+    root = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", "test", *config("majority3"), *COMMON,
+                           "--trainer.default_root_dir", str(root), "--ckpt_path", str(bare)], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "the checkpoint records no datamodule (hyper_parameters.datamodule), the config asks for " \
+           "lightning_maskprior.datamodules.BooleanGOTUDataModule" in errors[0]
+    assert not root.exists()

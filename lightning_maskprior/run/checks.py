@@ -143,7 +143,12 @@ def binding_mismatch(hparams: Mapping[str, Any], model: Mapping[str, Any], data:
     problems = []
     saved = _plain(hparams.get("datamodule")) or {}
     asked = _plain(data) or {}
-    if saved.get("class_path") and asked.get("class_path") and saved["class_path"] != asked["class_path"]:
+    if asked.get("class_path") and not saved.get("class_path"):
+        # Bound to nothing, it would be scored on any task whose shapes it fits.
+        problems.append(f"data: the checkpoint records no datamodule (hyper_parameters.datamodule), the config asks "
+                        f"for {asked['class_path']}; expected a checkpoint a fit wrote (a MaskPriorModule built in "
+                        "Python records it when given datamodule={class_path, init_args})")
+    elif saved.get("class_path") and asked.get("class_path") and saved["class_path"] != asked["class_path"]:
         problems.append(f"data: checkpoint {saved['class_path']}, config {asked['class_path']}")
     elif saved and asked:
         then, now = saved.get("init_args") or {}, asked.get("init_args") or {}

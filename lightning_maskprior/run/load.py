@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning_maskprior.checkpoints import CheckpointError
 from lightning_maskprior.module import MaskPriorModule, build_datamodule
+from lightning_maskprior.run.checks import binding_mismatch
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, find_checkpoint
 
 
@@ -17,14 +19,25 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
         checkpoint: Which checkpoint (default: ``last.ckpt``, else the newest one).
         map_location: Where the weights go (default: the CPU).
 
-    The datamodule is built from the run's ``config.yaml`` (the checkpoint's copy of it when there is none). A run
+    The datamodule is built from the run's ``config.yaml`` (the checkpoint's copy of it when there is none); a
+    config.yaml that describes another run than the checkpoint's (an edited task or init) raises a CheckpointError
+    naming both values, as the CLI refuses such a pair. A run
     fine-tuned from a pretrained file (``backbone.init_args.checkpoint_path``) reopens without that file: the
     trained weights are in the checkpoint.
     """
     ckpt = Path(checkpoint) if checkpoint is not None else find_checkpoint(run_dir)
+    owner = RunDir.of_checkpoint(ckpt)
+    if owner is not None and owner.data_spec() is not None:
+        # The datamodule comes from config.yaml, the model from the checkpoint: the CLI's binding check, so an
+        # edited config.yaml never pairs the old model with another task.
+        config = owner.config()
+        problems = binding_mismatch(Checkpoint(ckpt).hparams, config.get("model") or {}, owner.data_spec())
+        if problems:
+            raise CheckpointError(f"{owner.config_path} does not describe the run of checkpoint {ckpt}: "
+                                  f"{'; '.join(problems)}. Expected the config.yaml its fit wrote (restore it), or "
+                                  "checkpoint= of a run of this config")
     module = MaskPriorModule.load_from_checkpoint(ckpt, map_location=map_location, **_without_pretrained(ckpt))
     module.eval()
-    owner = RunDir.of_checkpoint(ckpt)
     spec = (owner.data_spec() if owner is not None else None) or module.hparams.get("datamodule")
     datamodule = build_datamodule(spec)
     datamodule.setup("validate")
