@@ -13,11 +13,15 @@ It reports, in this order:
    an additive mask, which must then be in the query's dtype; flash and cuDNN cannot) must run, and agree with the
    explicit kernel (float32 logits + prior) in the output and in the gradient of M. ``--tiny`` checks the same
    pair on the CPU with SDPA's math backend.
-2. **Each config, a few hundred optimizer steps in bf16** with the mask init, as ``maskprior fit`` builds it: ms per
+2. **The relative prior through FlexAttention.** A causal ``PriorAttention`` layer with a ``relative`` prior (the
+   language prior, one value per head and offset) through the ``flex`` kernel (``score_mod`` reading the offsets'
+   table, compiled) against the explicit kernel, in the output and in the gradient of the table, in float32 and
+   under bf16 autocast. ``--tiny`` checks the output only: FlexAttention has no backward on a CPU.
+3. **Each config, a few hundred optimizer steps in bf16** with the mask init, as ``maskprior fit`` builds it: ms per
    step (after warm-up, synchronised), the FLOPs of one step (counted by ``torch.utils.flop_counter``), the achieved
    TFLOP/s against this device's measured bf16 matmul peak (and the nominal dense bf16 peak of known GPUs), and the
    peak memory allocated.
-3. **A 2-GPU DDP step** when more than one CUDA device is visible: ``maskprior fit`` of the Boolean paper config on
+4. **A 2-GPU DDP step** when more than one CUDA device is visible: ``maskprior fit`` of the Boolean paper config on
    two GPUs for a few steps, its exit code and wall time.
 
 Configs whose data is not on this machine (CIFAR-10, WikiText-2) are skipped and named. The exit code is 0 when
@@ -143,6 +147,55 @@ def check_prior_gradient(device: torch.device, tolerance: float = 0.05) -> Row:
               f"{value:.2%}, grad of M {grad:.2%} relative error (tolerance {tolerance:.0%})")
     ok = value < tolerance and grad < tolerance and torch.isfinite(fused_grad).all()
     return Row("prior gradient path", "ok" if ok else "failed", detail)
+
+
+def check_flex_relative(device: torch.device, tolerance: float = 0.05) -> Row:
+    """A relative prior through FlexAttention's score_mod agrees with the explicit kernel in value and (on CUDA) in
+    the gradient of its offsets' table, in float32 (tolerance / 10) and under bf16 autocast (tolerance)."""
+    from lightning_maskprior.priors import causal_relative_distance
+
+    torch.manual_seed(0)
+    n, heads = 128, 4
+    layer = PriorAttention(dim=256, num_heads=heads, head_dim=64, causal=True).to(device)
+    layer.set_parameterisation("relative")
+    # the language prior at scale 1 (its scale 10 leaves most offsets on the floor), a little different per head
+    per_head = torch.arange(1.0, heads + 1)[:, None, None]
+    layer.set_prior((causal_relative_distance(n).layer_values(0) / per_head).to(device))
+    x = torch.randn(8, n, 256, device=device)
+    target = torch.randn(8, n, 256, device=device)
+    gradient = device.type == "cuda"  # FlexAttention has no backward on a CPU
+
+    def run(kernel: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        layer.kernel = kernel
+        layer.zero_grad()
+        with (torch.set_grad_enabled(gradient), warnings.catch_warnings(),
+              torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)):
+            warnings.filterwarnings("ignore", "flex_attention called without torch.compile")  # the CPU's, unfused
+            out = layer(x)
+        if not gradient:
+            return out.detach(), None
+        ((out.float() - target) ** 2).mean().backward()
+        return out.detach(), layer.prior_offsets.grad.detach().clone()
+
+    details, ok = [], True
+    for dtype, bound in ((torch.float32, tolerance / 10), (torch.bfloat16, tolerance)):
+        try:
+            flex_out, flex_grad = run("flex", dtype)
+        except Exception as err:  # a missing or failing compiler is what this check is for
+            return Row("relative prior through FlexAttention", "failed", f"{dtype}: the flex kernel failed: {err}")
+        explicit_out, explicit_grad = run("explicit", dtype)
+        value = relative_error(flex_out, explicit_out)
+        shown = f"{str(dtype).removeprefix('torch.')}: output {value:.2%}"
+        ok &= value < bound
+        if gradient:
+            grad = relative_error(flex_grad, explicit_grad)
+            shown += f", grad of the offsets {grad:.2%}"
+            ok &= grad < bound and bool(torch.isfinite(flex_grad).all())
+        details.append(f"{shown} (tolerance {bound:.1%})")
+    if not gradient:
+        details.append("gradient not checked (no FlexAttention backward on a CPU)")
+    return Row("relative prior through FlexAttention", "ok" if ok else "failed",
+               "against the explicit kernel: " + "; ".join(details))
 
 
 # ---------------------------------------------------------------------------------------------- one config
@@ -295,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {name}; bf16 matmul peak measured {peak:.1f} TFLOP/s"
           + (f" (nominal dense bf16: {nominal:.0f})" if nominal else "") + f"; torch {torch.__version__}", flush=True)
     rows = [check_prior_gradient(device)]
+    print(f"{rows[-1].name}: {rows[-1].status}: {rows[-1].detail}", flush=True)
+    rows.append(check_flex_relative(device))
     print(f"{rows[-1].name}: {rows[-1].status}: {rows[-1].detail}", flush=True)
     for config in (TINY_CONFIGS if args.tiny else paper_configs(args)):
         rows.append(time_config(config, device, steps, peak))

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "step_speed.py"
 
@@ -55,8 +56,9 @@ def test_step_speed_help_lists_every_option():
 
 
 def test_gpu_check_runs_at_tiny_size_on_the_cpu(tmp_path):
-    """benchmarks/gpu_check.py --tiny: the prior's gradient path (SDPA math against the explicit kernel) and one
-    step of each tiny config, every row ok, the table and the JSON written (on a GPU it runs the paper configs)."""
+    """benchmarks/gpu_check.py --tiny: the prior's gradient path (SDPA math against the explicit kernel), the relative
+    prior through FlexAttention (its output; no backward on a CPU) and one step of each tiny config, every row ok,
+    the table and the JSON written (on a GPU it runs the paper configs)."""
     script = SCRIPT.parent / "gpu_check.py"
     out = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "1", "--json", str(out)],
@@ -66,9 +68,11 @@ def test_gpu_check_runs_at_tiny_size_on_the_cpu(tmp_path):
     import json
 
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    kernels = ("prior gradient path", "relative prior through FlexAttention")
     assert rows["prior gradient path"]["status"] == "ok"
-    assert len(rows) == 5 and all(r["status"] == "ok" for r in rows.values()), rows
-    assert all(r["gflop_per_step"] > 0 and r["ms_per_step"] > 0 for n, r in rows.items() if n != "prior gradient path")
+    assert "bfloat16: output" in rows["relative prior through FlexAttention"]["detail"]
+    assert len(rows) == 6 and all(r["status"] == "ok" for r in rows.values()), rows
+    assert all(r["gflop_per_step"] > 0 and r["ms_per_step"] > 0 for n, r in rows.items() if n not in kernels)
     assert "| prior gradient path | ok |" in proc.stdout
 
 
@@ -102,3 +106,17 @@ def test_inject_overhead_runs_tiny():
     ratios = module.main(["--depth", "2", "--img-size", "16", "--batch", "4", "--rounds", "2", "--dtypes", "fp32"])
     assert set(ratios) == {("injected", "fp32"), ("injected + mask", "fp32")}
     assert all(r > 0 for r in ratios.values())
+
+
+def test_prior_scaling_runs_tiny_and_tabulates_each_prior_against_the_untouched_gpt():
+    spec = importlib.util.spec_from_file_location("prior_scaling", SCRIPT.with_name("prior_scaling.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.build_parser().parse_args(["--blocks", "8", "16", "--dim", "16", "--depth", "1", "--num-heads", "2",
+                                             "--head-dim", "8", "--batch", "2", "--rounds", "1", "--vocab", "20"])
+    cpu = torch.device("cpu")
+    rows = {(r["block"], r["variant"]): r for block in args.blocks for r in module.measure(args, block, cpu)}
+    assert rows[16, "full"]["prior_params"] == 16 * 16 and rows[16, "relative"]["prior_params"] == 2 * 16 - 1
+    assert rows[16, "untouched"]["prior_params"] == 0 and rows[16, "untouched"]["time_ratio"] == (1.0, 1.0, 1.0)
+    assert all(r["memory_mib"] > 0 and r["ms"] > 0 for r in rows.values())
+    assert "| 16 | relative | 31 |" in module.table(list(rows.values()))
