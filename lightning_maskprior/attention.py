@@ -223,6 +223,21 @@ class PriorCarrier(nn.Module):
         if matrix is not None:
             self.set_prior(matrix.detach(), trainable, self.prior_scale)
 
+    def adopt_held_parameterisation(self) -> None:
+        """Set ``parameterisation`` (and its rank, grid and prefix) to what the parameters holding M are: after a
+        state dict created them in a fresh layer (a saved injected model), the layer then holds M as it was saved."""
+        held = self.prior_parameters()
+        kind = next((k for k, names in PRIOR_PARAMETERS.items() if set(held) & set(names)), None)
+        if kind is None:
+            return
+        self.parameterisation = kind
+        if kind == "low_rank":
+            self.prior_rank = int(held["prior_left"].shape[-1])
+        if kind == "relative":
+            rows, cols = ((size + 1) // 2 for size in held["prior_offsets"].shape[1:])
+            self.prior_grid = None if rows == 1 else (rows, cols)
+            self.prior_prefix = int(held["prior_prefix_rows"].shape[1]) if "prior_prefix_rows" in held else 0
+
     def set_prior(self, logits: Tensor, trainable: bool = True, scale: float = 1.0) -> None:
         """Install ``M`` (shape (N, N), (1, N, N) or (heads, N, N)) as this layer's prior, held as the layer's
         ``parameterisation`` says; ``projection_error`` says how far that is from ``logits``."""

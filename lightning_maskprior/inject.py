@@ -127,7 +127,8 @@ def _refuse_other_attention(model: nn.Module, supported: tuple[type, ...]) -> No
                          "their variants)")
 
 
-def inject_prior(model: nn.Module, structure: Structure | None = None, init: str | None = None,
+def inject_prior(model: nn.Module, structure: Structure | None = None, init: str | None = None, *,
+                 parameterisation: str | None = None, prior_rank: int | None = None,
                  **init_options: Any) -> nn.Module:
     """Make every attention layer of ``model`` a PriorAttention with the same weights; returns ``model``.
 
@@ -137,12 +138,17 @@ def inject_prior(model: nn.Module, structure: Structure | None = None, init: str
             included: ``Structure.pad``), one pattern per head or one for all.
         init: An init method (``mask``, ``zero``, ``fixed``, ``default``...) applied after the injection; default:
             ``mask`` when a structure is given, else none (the layers carry no prior: the model is unchanged).
+        parameterisation: How each layer holds M (``full``, ``relative``, ``low_rank``; attention.py), set before
+            the init, which then projects its M onto it. For ``relative`` a timm ViT's offsets are 2-D over its patch
+            grid, after its prefix tokens. None: as the layers hold it now (``full`` when newly injected).
+        prior_rank: The rank of a ``low_rank`` prior (default: attention.DEFAULT_RANK).
         init_options: The init method's options (e.g. ``open_value``, ``closed_value``, ``trainable``).
 
     Layers that are PriorAttention already are left as they are, so injecting twice is harmless.
     """
     if _is_hf_model(model):
         _inject_hf(model)
+        _parameterise(model, parameterisation, prior_rank)
         return _init(model, structure, init, init_options)
     attention = _timm_attention()
     supported = (PriorAttention,) + ((attention,) if attention is not None else ())
@@ -154,7 +160,20 @@ def inject_prior(model: nn.Module, structure: Structure | None = None, init: str
     if not attention_layers(model):
         raise ValueError(f"{type(model).__name__} has no attention layer inject_prior can carry a prior in; "
                          "supported: timm.layers.Attention (ViT, DeiT and their variants)")
+    _parameterise(model, parameterisation, prior_rank)
     return _init(model, structure, init, init_options)
+
+
+def _parameterise(model: nn.Module, parameterisation: str | None, rank: int | None) -> None:
+    """Every layer holds M as ``parameterisation`` (None: unchanged); a relative prior's layout is the model's prefix
+    tokens and, for a timm ViT, its patch grid."""
+    if parameterisation is None and rank is None:
+        return
+    grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    grid = (int(grid[0]), int(grid[1])) if grid is not None else None
+    prefix = int(getattr(model, "num_prefix_tokens", 0) or 0)
+    for layer in attention_layers(model):
+        layer.set_parameterisation(parameterisation or layer.parameterisation, rank, grid, prefix)
 
 
 def _init(model: nn.Module, structure: Structure | None, init: str | None, options: dict[str, Any]) -> nn.Module:
@@ -240,6 +259,7 @@ def _load_prior(layer: PriorCarrier, state_dict: dict, prefix: str, args: tuple,
             setattr(layer, name, nn.Parameter(torch.empty_like(saved, device=layer._reference().device,
                                                                dtype=layer._reference().dtype)))
     nn.Module._load_from_state_dict(layer, state_dict, prefix, *args)
+    layer.adopt_held_parameterisation()  # a relative or low-rank prior loads as one
     key = prefix + _SCALE_KEY
     if scale_key and key in state_dict:
         layer.prior_scale = float(state_dict[key])

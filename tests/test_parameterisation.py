@@ -222,3 +222,58 @@ def test_callbacks_measure_a_relative_prior_and_the_projection_error_is_logged(t
     assert scalars["prior/projection_error"][0][1] > 0.1
     assert scalars["persistence_heads/prior_drift/layer0/head0"][0][1] == 0  # step 0
     assert "persistence_heads/prior_corr/layer1/head0" in scalars
+
+
+# ------------------------------------------------------------------------------ injected models
+def test_injected_timm_vit_holds_a_relative_prior_on_its_patch_grid_and_loads_it_back():
+    timm = pytest.importorskip("timm")
+    from lightning_maskprior import export_prior, inject_prior
+
+    def vit():
+        torch.manual_seed(0)
+        return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                                 num_classes=5).eval()  # 4 x 4 patches after a CLS token
+
+    structure = priors.grid_impulse(4, 4, [(0, 0)]).pad(1)  # the centre head: a shift, held exactly
+    model = inject_prior(vit(), structure, init="mask", parameterisation="relative")
+    layers = attention_layers(model)
+    assert all(layer.projection_error == 0 and layer.prior_grid == (4, 4) for layer in layers)
+    assert {k: tuple(v.shape) for k, v in layers[0].prior_parameters().items()} == {
+        "prior_offsets": (1, 7, 7), "prior_prefix_rows": (1, 1, 17), "prior_prefix_columns": (1, 16, 1)}
+    images = torch.randn(2, 3, 32, 32)
+    full = inject_prior(vit(), structure, init="mask")
+    torch.testing.assert_close(model(images), full(images))
+    assert torch.equal(export_prior(model)[0].logits, export_prior(full)[0].logits)
+
+    fresh = inject_prior(vit())  # a saved model loads into a fresh injection, parameterisation included
+    fresh.load_state_dict(model.state_dict())
+    assert attention_layers(fresh)[0].parameterisation == "relative"
+    torch.testing.assert_close(fresh(images), model(images))
+
+
+def test_injected_hf_gpt2_with_a_relative_language_prior_saves_and_loads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_maskprior import inject_prior
+    from lightning_maskprior.inject import load_injected
+
+    n = 16
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, n_positions=n, attn_pdrop=0.0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    inject_prior(model, priors.causal_relative_distance(n), init="mask", scale=10.0, parameterisation="relative")
+    layer = attention_layers(model)[0]
+    assert set(layer.prior_parameters()) == {"prior_offsets"} and layer.projection_error == 0
+    tokens = torch.randint(50, (2, n))
+    logits = model(tokens).logits
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    reference.load_state_dict(model.state_dict(), strict=False)
+    inject_prior(reference, priors.causal_relative_distance(n), init="mask", scale=10.0)  # full M
+    torch.testing.assert_close(logits, reference(tokens).logits)
+
+    model.save_pretrained(tmp_path / "relative")
+    loaded = load_injected(tmp_path / "relative").eval()
+    held = attention_layers(loaded)[0]
+    assert held.parameterisation == "relative" and held.prior_scale == 10.0
+    assert torch.equal(held.prior_offsets, layer.prior_offsets)
+    torch.testing.assert_close(loaded(tokens).logits, logits)
