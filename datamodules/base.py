@@ -31,7 +31,18 @@ class MaskPriorDataModule(L.LightningDataModule):
     batch_size: int
     eval_batch_size: int
     seed: int
-    num_workers: int = 0
+    _num_workers: int = 0
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @num_workers.setter
+    def num_workers(self, value: int) -> None:
+        # Checked when set, in the subclass's __init__: the DataLoader would refuse it only once the fit has begun.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"num_workers must be a whole number >= 0 (0: load in the main process), got {value!r}")
+        self._num_workers = value
 
     def task_spec(self) -> TaskSpec:
         """The task the model is built for (linked into ``MaskPriorModule(task=...)`` by the CLI)."""

@@ -98,9 +98,25 @@ def _join(items: Iterator[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
+def non_finite_priors(checkpoint: Mapping[str, Any]) -> str | None:
+    """The prior logits of a checkpoint that hold NaN or infinite values, as ``key (n NaN, m inf)``, or None."""
+    found = []
+    for key, value in (checkpoint.get("state_dict") or {}).items():
+        if key.endswith("prior_logits") and isinstance(value, torch.Tensor) and value.is_floating_point():
+            nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
+            if nan or inf:
+                found.append(f"{key} ({nan} NaN, {inf} infinite)")
+    return "; ".join(found[:3]) if found else None
+
+
 def check_checkpoint_fits(checkpoint: Mapping[str, Any], model: nn.Module, path: str | Path | None = None) -> None:
-    """Raise a CheckpointError saying, in the config's terms, why ``checkpoint`` does not fit ``model``."""
+    """Raise a CheckpointError saying, in the config's terms, why ``checkpoint`` does not fit ``model``, or that its
+    prior is not finite (it would train on as NaN, and the divergence be blamed on the learning rate)."""
+    name = f"checkpoint {path}" if path is not None else "the checkpoint"
     problem = checkpoint_mismatch(checkpoint, model, strict=getattr(model, "strict_loading", True))
     if problem is not None:
-        name = f"checkpoint {path}" if path is not None else "the checkpoint"
         raise CheckpointError(f"{name} {problem}")
+    bad = non_finite_priors(checkpoint)
+    if bad is not None:
+        raise CheckpointError(f"{name} holds a prior that is not finite: {bad}; expected finite prior logits (the file "
+                              "was edited, or saved from a diverged run): use an earlier checkpoint")

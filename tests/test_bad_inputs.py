@@ -264,6 +264,20 @@ CASES = [
      rf"checkpoint \S*garbage.ckpt {NOT_READABLE}"),
     ("test with truncated checkpoint", ["test", "-c", BOOLEAN, *TINY, "--ckpt_path", "@truncated.ckpt"], 2,
      rf"checkpoint \S*truncated.ckpt {NOT_READABLE}"),
+    ("checkpoint version garbage", fit_mask("--ckpt_path", "@version_garbage.ckpt"), 2,
+     r"checkpoint \S*version_garbage.ckpt records Lightning version 'garbage', which is not a version"),
+    ("checkpoint version old", fit_mask("--ckpt_path", "@version_old.ckpt"), 2,
+     r"checkpoint \S*version_old.ckpt was written by Lightning 0.5.0; expected one of Lightning 2.0 or later"),
+    ("checkpoint without a version", fit_mask("--ckpt_path", "@version_none.ckpt"), 2,
+     r"checkpoint \S*version_none.ckpt records no Lightning version"),
+    ("checkpoint of weights only", fit_mask("--ckpt_path", "@weights_only.ckpt"), 2,
+     r"checkpoint \S*weights_only.ckpt holds the model's weights only \(no optimizer state"),
+    ("checkpoint prior NaN", fit_mask("--ckpt_path", "@nan_prior.ckpt"), 2,
+     r"checkpoint \S*nan_prior.ckpt holds a prior that is not finite: \S*prior_logits \(1 NaN, 0 infinite\)"),
+    ("load_from_checkpoint prior NaN", lambda f: MaskPriorModule.load_from_checkpoint(f["nan_prior.ckpt"]),
+     CheckpointError, r"the checkpoint holds a prior that is not finite: \S*prior_logits \(1 NaN"),
+    ("num_workers negative", fit("--data.init_args.num_workers", "-1"), 2,
+     r"num_workers must be a whole number >= 0 \(0: load in the main process\), got -1"),
     # Readable, but of another config: checked against the model in MaskPriorCLI.before_fit.
     ("checkpoint other dim", fit_mask("--model.backbone.init_args.dim", "32", "--ckpt_path", "@tiny.ckpt"),
      CheckpointError, r"checkpoint \S*tiny.ckpt was trained with dim 16, the config asks for dim 32$"),
@@ -387,6 +401,19 @@ def _write_checkpoints(root: Path, f: dict[str, Path]) -> None:
     torch.save(torch.ones(2), f.setdefault("tensor.ckpt", root / "tensor.ckpt"))
     torch.save({"weight": torch.ones(2)}, f.setdefault("weights.ckpt", root / "weights.ckpt"))
     torch.save({"state_dict": {}, "made": datetime.date(2024, 1, 1)}, f.setdefault("object.ckpt", root / "object.ckpt"))
+    checkpoint = torch.load(tiny, map_location="cpu", weights_only=True)
+    for name, change in (("version_garbage", {"pytorch-lightning_version": "garbage"}),
+                         ("version_old", {"pytorch-lightning_version": "0.5.0"})):
+        torch.save({**checkpoint, **change}, f.setdefault(f"{name}.ckpt", root / f"{name}.ckpt"))
+    for name, key in (("version_none", "pytorch-lightning_version"), ("weights_only", "optimizer_states"),
+                      ("no_loops", "loops")):
+        without = {k: v for k, v in checkpoint.items() if k != key}
+        torch.save(without, f.setdefault(f"{name}.ckpt", root / f"{name}.ckpt"))
+    state = dict(checkpoint["state_dict"])
+    key = next(k for k in state if k.endswith("prior_logits"))
+    state[key] = state[key].clone()
+    state[key].view(-1)[0] = float("nan")
+    torch.save({**checkpoint, "state_dict": state}, f.setdefault("nan_prior.ckpt", root / "nan_prior.ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -506,3 +533,47 @@ def test_bad_input_through_the_console_script(case, files, tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr
     assert re.search(pattern, proc.stderr, re.S), proc.stderr
     assert not list((tmp_path / "runs").rglob("version_*"))
+
+
+def test_a_checkpoint_without_loop_state_resumes_with_a_warning(files, tmp_path, capsys):
+    """No epoch and batch progress in the checkpoint: the fit resumes, saying it cannot be exact."""
+    main([_resolve(a, {**files, "runs": tmp_path / "runs"}) for a in fit_mask("--ckpt_path", "@no_loops.ckpt")])
+    err = capsys.readouterr().err
+    assert re.search(r"warning: checkpoint \S*no_loops.ckpt holds no loop state .*not exactly where it stopped", err)
+
+
+# Errors of the machine (a file where a directory is expected, a name too long for the filesystem), through the
+# console script: one line naming the path, the OS's reason and what was expected; nothing left behind.
+OS_CASES = [
+    ("fit root under a file", lambda f: fit("--trainer.default_root_dir", str(f["a_file"] / "runs")),
+     r"a_file/runs: Not a directory \(ENOTDIR\); expected a directory, but a part of the path is a file"),
+    ("fit root name too long", lambda f: fit("--trainer.default_root_dir", str(f["tmp"] / ("x" * 300))),
+     r"x{300}/run.json: File name too long \(ENAMETOOLONG\); expected a shorter name"),
+    ("study out_dir under a file", lambda f: ["study", "-c", str(f["study_under_file.yaml"])],
+     r"a_file/study\S*: Not a directory \(ENOTDIR\)"),
+]
+
+
+@pytest.mark.parametrize("case", [c[1:] for c in OS_CASES], ids=[c[0] for c in OS_CASES])
+def test_os_errors_are_one_line_through_the_console_script(case, files, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    call, pattern = case
+    (tmp_path / "a_file").write_text("a file, not a directory\n")
+    study_file = tmp_path / "study_under_file.yaml"
+    study_file.write_text(yaml.safe_dump({"tasks": [{"name": "2parity", "config": BOOLEAN}], "inits": ["default"],
+                                          "seeds": [0], "metrics": [{"tag": "val/mse", "label": "MSE"}],
+                                          "out_dir": str(tmp_path / "a_file" / "study")}))
+    f = {**files, "runs": tmp_path / "runs", "tmp": tmp_path, "a_file": tmp_path / "a_file",
+         "study_under_file.yaml": study_file}
+    before = sorted(tmp_path.iterdir())
+    argv = [_resolve(a, f) for a in call(f)]
+    proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", *argv], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(pattern, errors[0]), errors[0]
+    assert sorted(tmp_path.iterdir()) == before  # nothing left behind

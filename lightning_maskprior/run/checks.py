@@ -192,6 +192,21 @@ def check_same_optimizer(checkpoint: Checkpoint, model: Mapping[str, Any]) -> No
         )
 
 
+def check_resumable(checkpoint: Checkpoint) -> None:
+    """A fit resumes a checkpoint's optimizer state: refuse one of weights only; warn that one without loop state
+    (epoch and batch progress) cannot resume exactly."""
+    contents = checkpoint.contents
+    if "optimizer_states" not in contents or "lr_schedulers" not in contents:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} holds the model's weights only (no optimizer state: saved with "
+            "save_weights_only?); expected a full checkpoint of a fit (RUN/checkpoints/last.ckpt) to resume from"
+        )
+    if "loops" not in contents:
+        print(f"maskprior: warning: checkpoint {checkpoint.path} holds no loop state (epoch and batch progress): the "
+              f"fit resumes at epoch {contents.get('epoch')} from the start of an epoch, not exactly where it stopped",
+              file=sys.stderr, flush=True)
+
+
 # ------------------------------------------------------------------------------- a fit's options
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)

@@ -242,6 +242,8 @@ class Checkpoint:
             raise FileNotFoundError(f"ckpt_path {path} does not exist; expected a .ckpt file written by a fit")
         if path.is_dir():
             raise CheckpointError(f"ckpt_path {path} is a directory; expected a .ckpt file (e.g. {path}/last.ckpt)")
+        with open(path, "rb"):
+            pass  # a file it may not read is a PermissionError, not "not a zip archive" (is_zipfile hides it)
         if path.stat().st_size == 0:
             raise self._not_readable("the file is empty")
         if not zipfile.is_zipfile(path):
@@ -266,6 +268,8 @@ class Checkpoint:
                     "you did not write yourself."
                 ) from None
             raise self._not_readable("its pickled content is corrupt") from None
+        except OSError:
+            raise  # no permission, an I/O error...: the machine's error, not a broken file (cli.py names it)
         except Exception as err:  # noqa: BLE001 - any reader error: say which file
             raise self._not_readable(_short_reason(err)) from None
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -275,6 +279,7 @@ class Checkpoint:
             raise CheckpointError(
                 f"checkpoint {path} holds {held}; expected a Lightning checkpoint (a dict with a 'state_dict')"
             )
+        _check_version(checkpoint.get("pytorch-lightning_version"), path)
         return checkpoint
 
     @property
@@ -289,6 +294,27 @@ class Checkpoint:
         return CheckpointError(
             f"checkpoint {self.path} is not a readable PyTorch checkpoint (truncated or not a checkpoint): {reason}"
         )
+
+
+OLDEST_LIGHTNING = "2.0"  # the oldest Lightning whose checkpoints this project's loops and callbacks read
+
+
+def _check_version(version: Any, path: Path) -> None:
+    """Refuse a checkpoint whose recorded Lightning version is not a version, or is older than Lightning 2: its
+    migration would fail inside Lightning with a KeyError or InvalidVersion."""
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        raise CheckpointError(f"checkpoint {path} records no Lightning version ('pytorch-lightning_version'); "
+                              "expected a checkpoint a Lightning fit wrote")
+    try:
+        old = Version(str(version)) < Version(OLDEST_LIGHTNING)
+    except InvalidVersion:
+        raise CheckpointError(f"checkpoint {path} records Lightning version {version!r}, which is not a version; "
+                              "expected the version the fit ran with (e.g. 2.6.6): edited or corrupt") from None
+    if old:
+        raise CheckpointError(f"checkpoint {path} was written by Lightning {version}; expected one of Lightning "
+                              f"{OLDEST_LIGHTNING} or later, as maskprior fit writes")
 
 
 def _short_reason(err: BaseException) -> str:
