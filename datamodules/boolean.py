@@ -94,10 +94,21 @@ def _evaluate(spec: FunctionSpec, points: Tensor, n: int, what: str) -> Tensor:
             raise ValueError(f"the {what} {{}} is an empty expansion (0 everywhere); expected monomials with their "
                              "coefficients, e.g. {'x0*x1': 1.0}")
         return walsh_hadamard(coefficients_from_expansion(spec, n))
-    values = torch.as_tensor(_import(spec)(points.clone()))
+    option = "target" if what == "target" else "seen"
+    function = _import(spec)
+    try:  # the user's own function: its error names the option and the function, not a line of our code
+        values = torch.as_tensor(function(points.clone()))
+    except Exception as err:  # noqa: BLE001 - any error of the user's function
+        raise ValueError(f"data.init_args.{option}: {spec!r} failed on the 2^{n} points: {type(err).__name__}: "
+                         f"{err}") from err
     if values.shape != (len(points),):
         raise ValueError(f"{what} {spec!r} returned shape {tuple(values.shape)}, expected ({len(points)},)")
-    return values.to(torch.float64)
+    values = values.to(torch.float64)
+    nan, inf = int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
+    if nan or inf:
+        raise ValueError(f"data.init_args.{option}: {spec!r} returned {nan} NaN and {inf} infinite values of "
+                         f"{len(points)}; expected a finite number at every point")
+    return values
 
 
 def _label_values(target: Tensor) -> list[float] | None:

@@ -78,6 +78,18 @@ def tinystories(folder: str):
     return lambda f: TinyStoriesDataModule(data_dir=f[folder], cache_dir=f["cache"], vocab_size=300).task_spec()
 
 
+def raising_target(points: torch.Tensor) -> torch.Tensor:
+    """A task of one's own whose target function fails."""
+    raise ZeroDivisionError("no target here")
+
+
+def nan_target(points: torch.Tensor) -> torch.Tensor:
+    """A task of one's own whose target is NaN at one point."""
+    values = points[:, 0].double()
+    values[3] = float("nan")
+    return values
+
+
 EXPECTED_STRUCTURE = r"expected a Boolean \(0/1\) tensor of shape \(N, N\)"
 NOT_READABLE = r"is not a readable PyTorch checkpoint \(truncated or not a checkpoint\)"
 
@@ -181,6 +193,14 @@ CASES = [
      r"cannot import 'no_such_module:f': No module named 'no_such_module'"),
     ("import path bad shape", own_task("torch:ones_like", "{x0: 1.0}"), ValueError,
      r"target 'torch:ones_like' returned shape \(64, 6\), expected \(64,\)"),
+    ("target function raises", own_task("test_bad_inputs:raising_target", "{x0: 1.0}"), 2,
+     r"data.init_args.target: 'test_bad_inputs:raising_target' failed on the 2\^6 points: ZeroDivisionError: "
+     r"no target here"),
+    ("seen function raises", own_task("{x0: 1.0}", "test_bad_inputs:raising_target"), 2,
+     r"data.init_args.seen: 'test_bad_inputs:raising_target' failed on the 2\^6 points"),
+    ("target function NaN", own_task("test_bad_inputs:nan_target", "{x0: 1.0}"), 2,
+     r"data.init_args.target: 'test_bad_inputs:nan_target' returned 1 NaN and 0 infinite values of 64; expected a "
+     r"finite number at every point"),
     ("own task mask without structure", own_task("{x0: 1.0}", "{x0: 1.0}", "--model.init", "mask"), ValueError,
      r"init method 'mask' needs a structure, but the task gave none"),
     # ----------------------------------------------------------------------------------- structures
