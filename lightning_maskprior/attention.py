@@ -529,7 +529,7 @@ def flex_prior_attention(layer: PriorCarrier, q: Tensor, k: Tensor, v: Tensor) -
             table = F.logsigmoid(layer.prior_scale * offsets[:, 0].float()).clamp(min=PRIOR_FLOOR)
             if table.shape[-1] != 2 * n - 1:
                 raise ValueError(f"prior is {(table.shape[-1] + 1) // 2} tokens long but the sequence has {n} tokens")
-            table = table.expand(heads, -1)
+            table = table.expand(heads, -1).contiguous()  # one row per head, as score_mod indexes it
 
             def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return score + table[h, q_idx - kv_idx + n - 1]
