@@ -99,10 +99,11 @@ def _join(items: Iterator[str]) -> str:
 
 
 def non_finite_priors(checkpoint: Mapping[str, Any]) -> str | None:
-    """The prior logits of a checkpoint that hold NaN or infinite values, as ``key (n NaN, m inf)``, or None."""
+    """The prior parameters of a checkpoint (M, or what holds it in another parameterisation) that hold NaN or
+    infinite values, as ``key (n NaN, m inf)``, or None."""
     found = []
     for key, value in (checkpoint.get("state_dict") or {}).items():
-        if key.endswith("prior_logits") and isinstance(value, torch.Tensor) and value.is_floating_point():
+        if _is_prior(key) and isinstance(value, torch.Tensor) and value.is_floating_point():
             nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
             if nan or inf:
                 found.append(f"{key} ({nan} NaN, {inf} infinite)")
