@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_maskprior.run.rundir import RunDir
+from lightning_maskprior.run.rundir import Checkpoint, RunDir
 
 
 class Interrupted(SystemExit):
@@ -119,9 +119,13 @@ class FinalCheckpoint(Callback):
         # StopOnSignal or on_train_end saved is a stranger to the ModelCheckpoint's restored state, which would then
         # save the run's next "last" as last-v1.ckpt and leave last.ckpt (what test, predict and load_run read) at
         # the interrupted step.
+        # Resumed from another checkpoint beside a cut-short last.ckpt (--ckpt_path last's fallback): the next save
+        # replaces that last.ckpt too, instead of leaving it, unreadable, where load_run and test look.
         callback, last = trainer.checkpoint_callback, last_checkpoint_path(trainer)
-        if (isinstance(callback, ModelCheckpoint) and callback.save_last and trainer.ckpt_path
-                and Path(trainer.ckpt_path).resolve() == last.resolve()):
+        resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
+        cut_short = last.is_file() and not Checkpoint(last).is_intact()
+        if (isinstance(callback, ModelCheckpoint) and callback.save_last and resumed is not None
+                and (resumed == last.resolve() or (cut_short and resumed.parent == last.parent.resolve()))):
             callback.last_model_path = str(last)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

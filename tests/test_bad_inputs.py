@@ -172,6 +172,8 @@ CASES = [
      r"\(while parsing a flow sequence that starts at line 2, column 9\)"),
     ("config not a mapping", ["fit", "-c", "@list.yaml", *TINY], 2,
      r"config \S*list.yaml holds a YAML list; expected a mapping of options \(key: value\)"),
+    ("config empty", ["fit", "-c", BOOLEAN, "-c", "@empty.yaml", *TINY], 2,
+     r"config \S*empty.yaml is empty: expected a mapping of options"),
     ("config not UTF-8", ["fit", "--config=@binary.yaml", *TINY], 2, r"config \S*binary.yaml is not UTF-8 text"),
     ("config missing", ["fit", "-c", "@missing.yaml", *TINY], 2, r"File does not exist: '\S*missing.yaml'"),
     ("config key unknown", ["fit", "-c", BOOLEAN, "-c", "@unknown_key.yaml", *TINY], 2,
@@ -354,6 +356,7 @@ def _write_files(root: Path) -> dict[str, Path]:
     # YAML
     path("syntax.yaml").write_text("model:\n  init: [mask\n  x: 1\n")
     path("list.yaml").write_text("- model\n- data\n")
+    path("empty.yaml").write_text("\n")
     path("binary.yaml").write_bytes(b"model:\n  init: \xff\xfe\n")
     path("unknown_key.yaml").write_text("model:\n  warmup: 5\n")
     # structures

@@ -263,3 +263,22 @@ def test_ckpt_path_last_resumes_the_run_of_this_config_not_the_newest(tmp_path):
     assert none.returncode == 2 and "Traceback" not in none.stderr, none.stderr[-3000:]
     assert "--ckpt_path last: none of the 3 run(s) under" in none.stderr and "seed_everything" in none.stderr
     assert _files(tmp_path) == before
+
+
+def test_after_a_fallback_resume_the_next_last_ckpt_replaces_the_cut_short_one(tmp_path):
+    """``--ckpt_path last`` falls back to the epoch checkpoint beside a cut-short last.ckpt; the resumed fit's next
+    save is last.ckpt itself (not last-v1.ckpt beside the broken one), so load_run reopens the run."""
+    from lightning_maskprior import load_run
+
+    # One epoch: its epoch checkpoint was saved before the first last.ckpt, so it names no "last" of its own.
+    assert _fit([*BOOLEAN, "--trainer.max_epochs", "1"], tmp_path) == 0
+    (run,) = tmp_path.glob("*/version_0")
+    last = run / "checkpoints/last.ckpt"
+    last.write_bytes(last.read_bytes()[:1000])
+    resumed = _cli([*BOOLEAN, "--ckpt_path", "last"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "is not a complete checkpoint (truncated?); using the newest intact one" in resumed.stdout
+    assert sorted(p.name for p in last.parent.glob("last*")) == ["last.ckpt"]
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 9
+    module, _ = load_run(run)
+    assert module is not None

@@ -806,3 +806,42 @@ def test_run_directories_no_readable_study_json_vouches_for_are_refused(tmp_path
     if study_json != "dir":  # the first study again: its finished run is its own, kept, not rerun
         assert run_study(first, log=lambda *a, **k: None) == 0
         assert json.loads((out / "2parity/default/seed0/result.json").read_text())["status"] == "ok"
+
+
+def test_a_study_checks_every_run_before_starting_any(tmp_path):
+    """A bad option in the study's fit commands fails the study before any cell runs (as --dry_run does): one line,
+    exit 2, no out_dir."""
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(tiny_study(tmp_path / "out", tasks=ONE_TASK, inits=["default"], seeds=[0],
+                                              args=[*TINY, "--model.warmup_steps", "-5"])))
+    proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", "study", "-c", str(path)], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "task 2parity x init default: warmup_steps must be a whole number of steps >= 0, got -5" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_study_stopped_by_sigterm_exits_143(tmp_path):
+    """The exit-code table's 143 for SIGTERM holds for a study as for a fit (130 is SIGINT's)."""
+    import signal
+
+    out = tmp_path / "out"
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(tiny_study(out, tasks=ONE_TASK, inits=["default"], seeds=[0], launcher="local",
+                                              args=[*TINY, "--trainer.max_epochs", "500"])))
+    study = subprocess.Popen([sys.executable, "-m", "lightning_maskprior.cli", "study", "-c", str(path)], cwd=ROOT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not list(out.glob("2parity/default/seed0/lightning_logs/version_*/config.yaml")):
+            assert study.poll() is None and time.time() < deadline, study.communicate()
+            time.sleep(0.5)
+        study.send_signal(signal.SIGTERM)
+        _, err = study.communicate(timeout=300)
+    finally:
+        if study.poll() is None:
+            study.kill()
+            study.wait()
+    assert study.returncode == 143, err[-3000:]

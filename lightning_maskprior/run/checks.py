@@ -70,6 +70,8 @@ def check_yaml_file(path: str | Path, what: str = "config") -> Any:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{what} {path} is not UTF-8 text (byte {err.start}): expected a YAML file") from None
+    if not text.strip():
+        raise ValueError(f"{what} {path} is empty: expected a mapping of options (key: value); a copy cut short?")
     try:
         content = yaml.safe_load(text)
     except yaml.MarkedYAMLError as err:

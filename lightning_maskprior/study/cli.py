@@ -47,7 +47,7 @@ from lightning_maskprior.study.spec import Run, Study, StudyError, check_command
 
 
 class Interrupted(Exception):
-    """The study was asked to stop (SIGTERM, SIGINT, SIGHUP)."""
+    """The study was asked to stop (SIGTERM, SIGINT, SIGHUP); ``args[0]``: the signal's number."""
 
 
 def build_parser():
@@ -295,7 +295,7 @@ def _run_study(study: Study, launcher: Launcher, log=print) -> int:
             write_outputs(study, plots=False)
 
     def interrupt(signum, frame):
-        raise Interrupted
+        raise Interrupted(signum)
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
@@ -305,11 +305,11 @@ def _run_study(study: Study, launcher: Launcher, log=print) -> int:
                 previous[sig] = signal.signal(sig, interrupt)
     try:
         launcher.run(todo, report)
-    except (Interrupted, KeyboardInterrupt):
+    except (Interrupted, KeyboardInterrupt) as err:
         launcher.stop()
         log(f"\ninterrupted after {done} of {len(todo)} runs; unfinished runs resume from their last checkpoint "
             "when you rerun the same command.", flush=True)
-        raise Interrupted from None
+        raise Interrupted(*(err.args if isinstance(err, Interrupted) else (signal.SIGINT,))) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -331,7 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     options = {k: v for k, v in cfg.as_dict().items() if k not in ("config", "dry_run", "table_only")}
     try:
         study = load_study(options, path)
-        if cfg.dry_run:
+        if cfg.dry_run or (not cfg.table_only and any(state == "to run" for _, state in run_states(study))):
+            # Every run's full fit command, checked before any cell starts (a bad option fails here, not in each
+            # cell after the first ones ran).
             get_launcher(study.launcher)(study)  # the launcher's own options are valid
             checked = check_commands(study)
     except StudyError as err:
@@ -349,8 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         failed = run_study(study)
-    except Interrupted:
-        sys.exit(130)
+    except Interrupted as err:
+        sys.exit(128 + int(err.args[0] if err.args else signal.SIGINT))  # 143 after SIGTERM, 130 after SIGINT
     except StudyError as err:
         parser.error(str(err))
     print("\n" + (study.out_dir / "table.md").read_text())
