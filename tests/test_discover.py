@@ -391,3 +391,26 @@ def test_the_structure_is_never_written_over_an_input_config(tmp_path, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2 and f"--out {tmp_path}/task.yaml is the config given with -c" in err
     assert task.read_text() == before
+
+
+def test_the_family_evaluation_scores_fourier_against_the_planted_pairs(monkeypatch):
+    """benchmarks/discovery_family.py on a few of its tasks: every MDI pair is planted, fourier finds the identifiable
+    ones and marks them so, and a planted task's own pairs are its oracle structure."""
+    import importlib.util
+    import sys
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("discovery_family", ROOT / "benchmarks/discovery_family.py")
+    family = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "discovery_family", family)  # its dataclass looks its module up there
+    spec.loader.exec_module(family)
+    tasks = family.planted_family(6, seed=0)
+    assert tasks == family.planted_family(6, seed=0)  # drawn with the seed
+    rows = family.evaluate(tasks, ["fourier"], {})
+    scores = family.summary(rows, "fourier")
+    assert scores["identifiable: precision"].startswith("1.000") and scores["identifiable: recall"].startswith("1.000")
+    oracle = tasks[0].datamodule().structure().layer(0)[0]
+    assert {(i, j) for i in range(12) for j in range(i + 1, 12) if oracle[i, j]} == tasks[0].pairs()
+    with pytest.raises(ValueError, match=r"structure is the oracle of a task of your own"):
+        BooleanGOTUDataModule("2parity", structure=[[0, 1]])
