@@ -3,6 +3,7 @@ what was expected; never with a suggestion to load a file unsafely (``weights_on
 
 from __future__ import annotations
 
+import copy
 import datetime
 import re
 import shutil
@@ -294,6 +295,9 @@ CASES = [
      r"checkpoint \S*version_none.ckpt records no Lightning version"),
     ("checkpoint of weights only", fit_mask("--ckpt_path", "@weights_only.ckpt"), 2,
      r"checkpoint \S*weights_only.ckpt holds the model's weights only \(no optimizer state"),
+    ("checkpoint beyond max_epochs", fit_mask("--ckpt_path", "@epochs5.ckpt"), 2,
+     r"checkpoint \S*epochs5.ckpt has trained 5 epochs, more than trainer.max_epochs 1; expected trainer.max_epochs "
+     r">= 5"),
     ("checkpoint prior NaN", fit_mask("--ckpt_path", "@nan_prior.ckpt"), 2,
      r"checkpoint \S*nan_prior.ckpt holds a prior that is not finite: \S*prior_logits \(1 NaN, 0 infinite\)"),
     ("load_from_checkpoint prior NaN", lambda f: MaskPriorModule.load_from_checkpoint(f["nan_prior.ckpt"]),
@@ -432,6 +436,9 @@ def _write_checkpoints(root: Path, f: dict[str, Path]) -> None:
                       ("no_loops", "loops")):
         without = {k: v for k, v in checkpoint.items() if k != key}
         torch.save(without, f.setdefault(f"{name}.ckpt", root / f"{name}.ckpt"))
+    loops = copy.deepcopy(checkpoint["loops"])
+    loops["fit_loop"]["epoch_progress"]["current"]["completed"] = 5
+    torch.save({**checkpoint, "loops": loops}, f.setdefault("epochs5.ckpt", root / "epochs5.ckpt"))
     state = dict(checkpoint["state_dict"])
     key = next(k for k in state if k.endswith("prior_logits"))
     state[key] = state[key].clone()

@@ -194,10 +194,19 @@ def check_same_optimizer(checkpoint: Checkpoint, model: Mapping[str, Any]) -> No
         )
 
 
-def check_resumable(checkpoint: Checkpoint) -> None:
-    """A fit resumes a checkpoint's optimizer state: refuse one of weights only; warn that one without loop state
-    (epoch and batch progress) cannot resume exactly."""
+def check_resumable(checkpoint: Checkpoint, trainer: Mapping[str, Any] | None = None) -> None:
+    """A fit resumes a checkpoint's optimizer state and loops: refuse one of weights only, or one that trained more
+    epochs than ``trainer.max_epochs`` (Lightning would fail mid-setup, after config.yaml was rewritten); warn that
+    one without loop state (epoch and batch progress) cannot resume exactly."""
     contents = checkpoint.contents
+    progress = ((contents.get("loops") or {}).get("fit_loop") or {}).get("epoch_progress") or {}
+    done = (progress.get("current") or {}).get("completed")
+    max_epochs = (trainer or {}).get("max_epochs")
+    if _number(done) and _number(max_epochs) and max_epochs >= 0 and done > max_epochs:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} has trained {done} epochs, more than trainer.max_epochs {max_epochs}; "
+            f"expected trainer.max_epochs >= {done} to resume it"
+        )
     if "optimizer_states" not in contents or "lr_schedulers" not in contents:
         raise CheckpointError(
             f"checkpoint {checkpoint.path} holds the model's weights only (no optimizer state: saved with "

@@ -95,7 +95,7 @@ class MaskPriorCLI(LightningCLI):
             checks.check_checkpoint_binds(self.checkpoint, config.get("model"), _datamodule_spec(config.get("data")))
             if subcommand == "fit":
                 checks.check_same_optimizer(self.checkpoint, config.get("model"))
-                checks.check_resumable(self.checkpoint)
+                checks.check_resumable(self.checkpoint, config.get("trainer"))
         except checks.CheckpointError as err:
             _bad_input(str(err))
 

@@ -21,6 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from lightning_maskprior.run.errors import bad_input
 from lightning_maskprior.study.results import (
     CURVES_FILE,
     MAPS_FILE,
@@ -121,9 +122,15 @@ def update_readme(readme: Path, paths: list[Path], write: bool = True) -> tuple[
     return replaced, changed
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line, exit 2 (as every maskprior command)."""
+
+    def error(self, message: str):
+        bad_input(f"{message} (`{self.prog} --help` lists the options)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="maskprior report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="maskprior report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("result_dirs", nargs="+", type=Path, metavar="RESULT_DIR",
                         help="A study's result directory: its out_dir (runs/study/<name>) or a published copy "
                         "(docs/results/<name>) holding study.json and results.csv (curves.csv.gz and "
