@@ -607,3 +607,25 @@ def test_os_errors_are_one_line_through_the_console_script(case, files, tmp_path
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert re.search(pattern, errors[0]), errors[0]
     assert sorted(tmp_path.iterdir()) == before  # nothing left behind
+
+
+def test_a_checkpoint_one_may_not_read_is_named_as_such_not_as_truncated(files, tmp_path, monkeypatch, capsys):
+    """A PermissionError reading the checkpoint (root ignores file modes, so it is simulated) is the machine's: one
+    line naming the path and EACCES, never "truncated" or "not a zip archive"."""
+    import builtins
+    import errno
+
+    from lightning_maskprior.run import rundir
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith("tiny.ckpt"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(rundir, "open", refused, raising=False)
+    with pytest.raises(SystemExit) as info:
+        main([_resolve(a, {**files, "runs": tmp_path / "runs"}) for a in fit_mask("--ckpt_path", "@tiny.ckpt")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert re.search(r"error: \S*tiny.ckpt: Permission denied \(EACCES\); expected permission to read", err), err
+    assert "truncated" not in err and "zip" not in err
