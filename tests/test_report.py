@@ -446,3 +446,19 @@ def test_report_refuses_a_repeated_row_or_a_run_outside_the_study(tmp_path, extr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert re.search(message, proc.stderr), proc.stderr
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def test_report_into_a_path_the_machine_refuses_is_one_line(tmp_path):
+    """An --out_dir under a file (or on a read-only or full disk): the path, errno and what it needs, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    path = write_result_dir(tmp_path / "result", curves=False)
+    (tmp_path / "a_file").write_text("not a directory\n")
+    proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", "report", str(path), "--no_figures",
+                           "--out_dir", str(tmp_path / "a_file" / "out")], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert re.search(r"a_file/out: Not a directory \(ENOTDIR\); expected a directory", proc.stderr), proc.stderr
