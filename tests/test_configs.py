@@ -9,8 +9,10 @@ import yaml
 from conftest import CONFIGS
 from lightning_maskprior.cli import main
 
+READINGS = sorted((CONFIGS / "arithmetic" / "readings").glob("*.yaml"))  # composed after an arithmetic config
 TASK_CONFIGS = sorted(
-    p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] not in ("init", "trainer", "study")
+    p for p in CONFIGS.rglob("*.yaml")
+    if p.relative_to(CONFIGS).parts[0] not in ("init", "trainer", "study") and p not in READINGS
 )
 COMPOSE_WITH = sorted((CONFIGS / "init").rglob("*.yaml")) + sorted((CONFIGS / "trainer").rglob("*.yaml"))
 BASE = CONFIGS / "boolean" / "2parity.yaml"
@@ -48,3 +50,13 @@ def test_init_and_trainer_configs_compose(config):
                 assert {k: printed[section][key][k] for k in value} == value, (section, key)
             else:
                 assert printed[section][key] == value, (section, key)
+
+
+@pytest.mark.parametrize("config", READINGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("task", ["multiplication", "addition"])
+def test_arithmetic_readings_compose_with_the_paper_configs(config, task):
+    printed = print_config(CONFIGS / "arithmetic" / "paper" / f"{task}.yaml", config)
+    own = yaml.safe_load(config.read_text())
+    assert {k: printed["data"]["init_args"][k] for k in own["data"]["init_args"]} == own["data"]["init_args"]
+    assert printed["model"]["backbone"]["init_args"]["pooling"] == own["model"]["backbone"]["init_args"]["pooling"]
+    assert printed["data"]["init_args"]["operation"] == task[:3]
