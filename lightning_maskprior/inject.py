@@ -160,8 +160,25 @@ def inject_prior(model: nn.Module, structure: Structure | None = None, init: str
     if not attention_layers(model):
         raise ValueError(f"{type(model).__name__} has no attention layer inject_prior can carry a prior in; "
                          "supported: timm.layers.Attention (ViT, DeiT and their variants)")
+    _check_sequence(model, structure)
     _parameterise(model, parameterisation, prior_rank)
     return _init(model, structure, init, init_options)
+
+
+def _check_sequence(model: nn.Module, structure: Structure | None) -> None:
+    """A timm ViT attends over a fixed number of tokens (prefix + patches): a structure of another size is refused
+    when it is installed, not at the first forward. Models that take any image size are checked at the forward."""
+    patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
+    if structure is None or patches is None or getattr(model, "dynamic_img_size", False):
+        return
+    prefix = int(getattr(model, "num_prefix_tokens", 0) or 0)
+    tokens = int(patches) + prefix
+    if structure.seq_len != tokens:
+        n = structure.seq_len
+        raise ValueError(
+            f"structure {structure.name!r} is {n}x{n} but {type(model).__name__} attends over {tokens} tokens "
+            f"({prefix} prefix + {patches} patches); give one over every token (Structure.pad adds the prefix)"
+        )
 
 
 def _parameterise(model: nn.Module, parameterisation: str | None, rank: int | None) -> None:

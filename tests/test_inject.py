@@ -95,6 +95,15 @@ def test_injecting_twice_is_harmless():
     assert [id(layer) for layer in attention_layers(model)] == first
 
 
+def test_a_structure_of_the_wrong_size_is_refused_when_installed():
+    model = build()  # 1 class token + 16 patches
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"is 16x16 but VisionTransformer attends over 17 tokens \(1 prefix \+ 16 patches\)"):
+        inject_prior(model, Structure(torch.eye(16, dtype=torch.bool)))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)
+    inject_prior(build(), Structure(torch.eye(16, dtype=torch.bool)).pad(1))  # the right size installs
+
+
 def test_unsupported_attention_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"blocks\.0\.attn \(timm\.layers\.attention\.Attention\) uses \['qk_norm'\]"):
         inject_prior(build(qk_norm=True))
