@@ -48,8 +48,11 @@ def write_result_dir(path: Path, curves: bool = True, **changes) -> Path:
         writer = csv.writer(f)
         writer.writerow(["task", "init", "seed", "status", "seconds", "precision", "persistence/half_life",
                          "persistence/score", "test/acc", "test/mse", "error"])
+        inits = {init.label for init in study.inits}
         for task in study.tasks:
             for (init, seed), (mse, acc, seconds, score, half) in VALUES.items():
+                if init not in inits or seed not in study.seeds:  # a run outside the study is refused
+                    continue
                 writer.writerow([task.name, init, seed, "ok", seconds, "bf16-mixed", "" if half is None else half,
                                  score, acc, mse, ""])
     if not curves:
