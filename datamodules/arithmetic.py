@@ -18,7 +18,7 @@ readings of that sentence:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -31,7 +31,8 @@ from lightning_maskprior.priors import Structure
 from lightning_maskprior.task import TaskSpec
 
 OPERATIONS = ("add", "mul")
-ORDERS = ("msd_first", "lsd_first")
+DigitOrder = Literal["msd_first", "lsd_first"]  # most significant digit first (as written), or least
+ORDERS = get_args(DigitOrder)
 # arXiv 2608.00418, Table 2: 3% of the pairs for multiplication, 0.4% for addition.
 PAPER_FRACTIONS = {"add": 0.004, "mul": 0.03}
 BLANK = 10  # token id of an answer token: a placeholder the model writes the answer digit into
@@ -96,8 +97,8 @@ class ArithmeticDataModule(MaskPriorDataModule):
         answer_tokens: bool = True,
         operand_readout: bool = False,
         answer_width: int | None = None,
-        answer_order: Literal["msd_first", "lsd_first"] = "msd_first",
-        operand_order: Literal["msd_first", "lsd_first"] = "msd_first",
+        answer_order: DigitOrder = "msd_first",
+        operand_order: DigitOrder = "msd_first",
         structure_heads: int = 4,
         val_size: int | None = 20_000,
         test_size: int | None = None,
