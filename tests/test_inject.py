@@ -98,7 +98,8 @@ def test_injecting_twice_is_harmless():
 def test_a_structure_of_the_wrong_size_is_refused_when_installed():
     model = build()  # 1 class token + 16 patches
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"is 16x16 but VisionTransformer attends over 17 tokens \(1 prefix \+ 16 patches\)"):
+    message = r"is 16x16 but VisionTransformer attends over 17 tokens \(1 prefix \+ 16 patches\)"
+    with pytest.raises(ValueError, match=message):
         inject_prior(model, Structure(torch.eye(16, dtype=torch.bool)))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)
     inject_prior(build(), Structure(torch.eye(16, dtype=torch.bool)).pad(1))  # the right size installs
