@@ -269,8 +269,14 @@ def _prior_names(state_dict: dict, prefix: str) -> list[str]:
 
 def _load_prior(layer: PriorCarrier, state_dict: dict, prefix: str, args: tuple, scale_key: bool) -> None:
     """``nn.Module._load_from_state_dict`` for a prior carrier: a prior the state dict has and the layer has not
-    yet is created first (so a fresh injected model loads a trained one), and a saved scale is taken."""
-    for name in _prior_names(state_dict, prefix):
+    yet is created first (so a fresh injected model loads a trained one), and a saved scale is taken. Where the
+    state dict holds M in another parameterisation than the layer does, the layer's own parameters go: it then
+    holds M the way it was saved, never both (the first would shadow the loaded one, even with ``strict=False``)."""
+    saved_names = _prior_names(state_dict, prefix)
+    if saved_names:
+        for name in set(layer.prior_parameters()) - set(saved_names):
+            setattr(layer, name, None)
+    for name in saved_names:
         if getattr(layer, name, None) is None:
             saved = state_dict[prefix + name]
             setattr(layer, name, nn.Parameter(torch.empty_like(saved, device=layer._reference().device,

@@ -250,6 +250,12 @@ def test_injected_timm_vit_holds_a_relative_prior_on_its_patch_grid_and_loads_it
     assert attention_layers(fresh)[0].parameterisation == "relative"
     torch.testing.assert_close(fresh(images), model(images))
 
+    held_full = inject_prior(vit(), structure, init="zero")  # M held full: the saved relative M replaces it
+    held_full.load_state_dict(model.state_dict(), strict=False)
+    layer = attention_layers(held_full)[0]
+    assert layer.parameterisation == "relative" and set(layer.prior_parameters()) == set(layers[0].prior_parameters())
+    torch.testing.assert_close(held_full(images), model(images))
+
 
 def test_injected_hf_gpt2_with_a_relative_language_prior_saves_and_loads(tmp_path):
     transformers = pytest.importorskip("transformers")
