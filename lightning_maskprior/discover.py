@@ -63,8 +63,11 @@ import torch
 from jsonargparse import ArgumentParser
 from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 
+from lightning_maskprior import contracts
 from lightning_maskprior.attention import attention_layers, attention_probabilities
+from lightning_maskprior.contracts import PluginError
 from lightning_maskprior.fourier import collapses, relevant_bits, sample_mdi
+from lightning_maskprior.plugins import resolve
 from lightning_maskprior.priors import StructureSpec
 
 Estimator = Callable[..., "Discovery"]
@@ -83,7 +86,8 @@ class DiscoverySpec:
     (the string ``discover:NAME`` is the same with its defaults).
 
     Args:
-        discover: The estimator: fourier, attention, learned, or one registered with ``register_estimator``.
+        discover: The estimator: fourier, attention, learned, one registered with ``register_estimator``, or
+            ``module.path:function`` of your own (:class:`~lightning_maskprior.contracts.Estimator`).
         options: Its options (``maskprior discover --help`` lists each estimator's), e.g. ``{steps: 500}``.
     """
 
@@ -165,7 +169,8 @@ class Discovery:
 
 
 def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: register ``fn(datamodule, **options) -> Discovery`` as estimator ``name``. Its options are the
+    """Decorator: register ``fn(datamodule, **options) -> Discovery`` as estimator ``name`` (the contract:
+    :class:`~lightning_maskprior.contracts.Estimator`, checked now). Its options are the
     parameters after ``datamodule`` (and ``make_module``, for one that trains a model), each declared once with a
     type (jsonargparse's constrained types give ranges: ``PositiveInt``, ...), a default, and an ``Args:`` line in
     the docstring: what ``maskprior discover --help``, the YAML and the docs show."""
@@ -173,6 +178,7 @@ def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
     def decorator(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
+        contracts.check_estimator(name, fn)
         ESTIMATORS[name] = fn
         return fn
 
@@ -180,9 +186,8 @@ def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
 
 
 def _estimator(method: str) -> Estimator:
-    if method not in ESTIMATORS:
-        raise ValueError(f"unknown discovery method {method!r}; expected one of {sorted(ESTIMATORS)}")
-    return ESTIMATORS[method]
+    """Estimator ``method``: a registered one, or ``module.path:function`` of your own (``plugins.resolve``)."""
+    return resolve("estimator", method)
 
 
 def estimator_options(method: str) -> list[str]:
@@ -249,6 +254,7 @@ def discover(method: str, datamodule: Any, make_module: ModuleFactory | None = N
     does not read the seen region itself are marked identifiable or not by the ``fourier`` analysis."""
     estimator = _estimator(method)
     options = check_estimator_options(method, options)
+    contracts.check_task_datamodule(datamodule, f"estimator {method!r}")
     datamodule.setup("fit")
     if "make_module" in inspect.signature(estimator).parameters:
         if make_module is None:
@@ -257,13 +263,12 @@ def discover(method: str, datamodule: Any, make_module: ModuleFactory | None = N
         found = estimator(datamodule, make_module=make_module, **options)
     else:
         found = estimator(datamodule, **options)
-    if method != "fourier" and _is_boolean(datamodule):
+    if not isinstance(found, Discovery):
+        raise PluginError(f"estimator {method!r} returned a {type(found).__name__}; expected a Discovery (see "
+                          "lightning_maskprior.contracts.Estimator)")
+    if method != "fourier" and contracts.is_boolean_task(datamodule):
         _mark_identifiable(found, datamodule)
     return found
-
-
-def _is_boolean(datamodule: Any) -> bool:
-    return callable(getattr(datamodule, "seen_region", None)) and getattr(datamodule, "n", None) is not None
 
 
 def _mark_identifiable(found: Discovery, datamodule: Any) -> None:
@@ -277,7 +282,7 @@ def _mark_identifiable(found: Discovery, datamodule: Any) -> None:
     for pair in found.pairs:
         found.identifiable[pair] = data.identifiable.get(pair, False)
         if pair not in data.pairs:
-            found.reasons[pair] += "; the MDI of the training data holds no term with both"
+            found.reasons[pair] = found.reasons.get(pair, "") + "; the MDI of the training data holds no term with both"
 
 
 # ------------------------------------------------------------------------------------------------ fourier
@@ -307,10 +312,11 @@ def fourier_estimator(datamodule: Any, tolerance: PositiveFloat = 1e-6) -> Disco
     Args:
         tolerance: A coefficient of the MDI counts where its magnitude exceeds this fraction of the largest one.
     """
-    train, n = getattr(datamodule, "train_set", None), getattr(datamodule, "n", None)
-    if train is None or n is None or not hasattr(train, "tensors") or not _is_boolean(datamodule):
+    if not contracts.is_boolean_task(datamodule) or not hasattr(datamodule.train_set, "tensors"):
         raise ValueError(f"the fourier estimator needs a Boolean task (BooleanGOTUDataModule); got "
-                         f"{type(datamodule).__name__}, expected a datamodule with a training set of bits and n")
+                         f"{type(datamodule).__name__}, expected a datamodule with a training set of bits and n "
+                         "(lightning_maskprior.contracts.BooleanDataModule)")
+    train, n = datamodule.train_set, datamodule.n
     seen = datamodule.seen_region()
     bits = (1 - train.tensors["inputs"].long()).clamp(0, 1)  # bit i of a point's index is set where x_i = -1
     index = (bits << torch.arange(n)).sum(dim=1)
@@ -447,10 +453,14 @@ def _check_fit(method: str, seed: int, steps: int, before: float, after: float, 
     return line
 
 
-def _data_block(module: Any, n: int) -> int:
-    """Where the task's ``n`` tokens start in the sequence the attention sees (after prefix tokens like a CLS)."""
-    seq = getattr(module.backbone, "seq_len", n) + getattr(module.backbone, "num_extra_tokens", 0)
-    return seq - n
+def _data_block(module: Any, n: int, size: int) -> int:
+    """Where the task's ``n`` tokens start in the ``size`` tokens the attention sees: after the backbone's prefix
+    tokens (a CLS token, registers: ``num_prefix_tokens``)."""
+    start = contracts.prefix_tokens(module.backbone)
+    if start + n != size:
+        raise PluginError(f"the attention of {type(module.backbone).__name__} sees {size} tokens, not the task's {n} "
+                          f"after its {start} prefix token(s) (num_prefix_tokens); expected {start + n}")
+    return start
 
 
 @dataclass
@@ -556,7 +566,7 @@ def attention_estimator(datamodule: Any, make_module: ModuleFactory, steps: NonN
             _train(module, datamodule, steps, lr)
             lines.append(_check_fit("attention", seed, steps, before, _probe_loss(module, probe), max_loss_ratio))
             probs = attention_probabilities(module, probe["inputs"])
-        start = _data_block(module, n)
+        start = _data_block(module, n, probs[0].shape[-1])
         mean = torch.stack([p.float().mean(0)[:, start:, start:] for p in probs])  # (layers, heads, n, n)
         scores = (mean * mean.transpose(-2, -1)).sqrt() * probs[0].shape[-1]
         per_seed[seed] = relevant_tokens(scores, z_threshold, min_effect)
@@ -607,7 +617,7 @@ def learned_estimator(datamodule: Any, make_module: ModuleFactory, steps: Positi
             before = _probe_loss(module, probe)
             _train(module, datamodule, steps, lr, penalty)
             lines.append(_check_fit("learned", seed, steps, before, _probe_loss(module, probe), max_loss_ratio))
-        start = _data_block(module, n)
+        start = _data_block(module, n, size)
         logits = torch.stack([layer.prior_logits.detach().float()[:, start:, start:] for layer in layers])
         lines[-1] += f"; M in [{float(logits.min()):.3g}, {float(logits.max()):.3g}]"
         per_seed[seed] = relevant_tokens((logits + logits.transpose(-2, -1)) / 2, z_threshold, min_effect)

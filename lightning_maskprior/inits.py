@@ -5,26 +5,12 @@ An init method takes the backbone (any module holding PriorAttention layers, or 
 ``fixed`` put the structure into the additive prior; the query/key baselines (``qk_svd``,
 ``qk_opt``, ``impulse``) put it into Wq/Wk; ``mimetic`` needs no structure.
 
-Backbone interface for the query/key inits
-------------------------------------------
-The QK baselines fit Wq, Wk to what the attention sees. A backbone that supports them implements:
-
-- ``positional_embedding() -> Tensor`` of shape (N', dim): what each position of the attention's
-  sequence carries apart from its token, in the order of the (``structure_for_sequence``-mapped)
-  structure; a CLS row is the CLS token plus its position.
-- ``scale_positional_embedding(factor: float) -> None``: multiply the learnable positional
-  embedding in place (QK-SVD's reference scales it by 18 so positions dominate the token content).
-- ``attention_norms() -> list[nn.Module]``: the normalisation applied to the residual stream right
-  before each PriorAttention layer, in the order of ``attention_layers(backbone)`` (pre-norm blocks:
-  ``block.norm1``).
-- optional ``example_inputs(batch_size, generator) -> inputs``: a batch ``backbone(inputs)`` accepts,
-  drawn from the input distribution; only ``qk_opt`` with ``fit_on="inputs"`` and
-  ``open_attention_mass`` callers need it.
-- optional ``patch_grid() -> (height, width)``: the patch grid of a vision backbone; ``impulse``
-  builds its grid structure from it when the task gives none (tokens row-major after any prefix
-  tokens, which ``structure_for_sequence`` adds).
-
-``TokenTransformer`` implements all but ``patch_grid``.
+Any init method, the project's or one of your own (``--model.init my_pkg.inits:my_init``), follows one contract,
+:class:`~lightning_maskprior.contracts.InitMethod`; the query/key inits read the backbone's hooks that
+:class:`~lightning_maskprior.contracts.QueryKeyBackbone` documents (``positional_embedding``,
+``scale_positional_embedding``, ``attention_norms``, and ``example_inputs`` and ``patch_grid`` where an option
+needs them), and leave its ``num_prefix_tokens`` (a CLS token, registers) out of their fit. ``TokenTransformer``
+implements all but ``patch_grid``.
 """
 
 from __future__ import annotations
@@ -40,19 +26,30 @@ import torch.nn.functional as F
 from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor, nn
 
+from lightning_maskprior import contracts
 from lightning_maskprior.attention import PriorCarrier, attention_layers, attention_probabilities
+from lightning_maskprior.plugins import resolve
 from lightning_maskprior.priors import IMPULSE_OFFSETS, Structure, check_open_closed, grid_impulse
 
 InitMethod = Callable[..., None]
 INIT_METHODS: dict[str, InitMethod] = {}
 
 
-def register_init(name: str) -> Callable[[InitMethod], InitMethod]:
-    """Decorator: register ``fn(backbone, structure, **options)`` under ``name``."""
+def register_init(name: str, uses_structure: bool = False) -> Callable[[InitMethod], InitMethod]:
+    """Decorator: register ``fn(backbone, structure, **options)`` under ``name`` (the contract:
+    :class:`~lightning_maskprior.contracts.InitMethod`, checked now).
+
+    Args:
+        name: The name ``model.init`` takes.
+        uses_structure: The method places the task's structure (``mask``, ``qk_svd``...): it needs one, and gets it
+            as the task gives it. False: it only measures against it (``default``, ``mimetic``...).
+    """
 
     def decorator(fn: InitMethod) -> InitMethod:
         if name in INIT_METHODS:
             raise ValueError(f"init method {name!r} is already registered")
+        fn.uses_structure = uses_structure or contracts.uses_structure(fn)
+        contracts.check_init(name, fn)
         INIT_METHODS[name] = fn
         return fn
 
@@ -60,9 +57,8 @@ def register_init(name: str) -> Callable[[InitMethod], InitMethod]:
 
 
 def get_init(name: str) -> InitMethod:
-    if name not in INIT_METHODS:
-        raise ValueError(f"unknown init method {name!r}; expected one of {sorted(INIT_METHODS)}")
-    return INIT_METHODS[name]
+    """Init method ``name``: a registered one, or ``module.path:function`` of your own (``plugins.resolve``)."""
+    return resolve("init", name)
 
 
 def check_init_options(name: str, options: dict) -> InitMethod:
@@ -75,7 +71,10 @@ def check_init_options(name: str, options: dict) -> InitMethod:
     if unknown:
         valid = sorted(k for k in accepted if k not in ("backbone", "structure"))
         raise ValueError(f"init method {name!r} got unknown options {unknown}; it accepts {valid}")
-    hints = typing.get_type_hints(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - a function of your own may annotate with names it imports only for checkers
+        hints = {}
     for key, value in options.items():
         if key in accepted:
             _check_option_type(name, key, value, accepted[key], hints.get(key))
@@ -89,7 +88,7 @@ def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **op
     if not layers:
         raise ValueError(f"{type(backbone).__name__} has no attention layer that carries a prior "
                          "(PriorAttention, or one that inject_prior added)")
-    if getattr(fn, "needs_structure", False) and structure is None:
+    if contracts.uses_structure(fn) and structure is None:
         raise ValueError(f"init method {name!r} needs a structure, but the task gave none")
     fn(backbone, structure, **options)
 
@@ -145,11 +144,6 @@ def _mask_logits(structure: Structure, index: int, open: torch.Tensor, open_valu
     return torch.where(open, float(open_value), float(closed_value))
 
 
-def _uses_structure(fn: InitMethod) -> InitMethod:
-    fn.needs_structure = True
-    return fn
-
-
 def _apply_extras(backbone: nn.Module, init: str, pos_scale: float, value_alpha: float, value_beta: float,
                   qk_gain: float) -> None:
     """The parts of the impulse init that are not its structure, for ablations: positions x
@@ -186,8 +180,7 @@ def default_init(backbone: nn.Module, structure: Structure | None, pos_scale: Po
         layer.clear_prior()
 
 
-@register_init("mask")
-@_uses_structure
+@register_init("mask", uses_structure=True)
 def mask_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
               closed_value: float = -10.0, scale: PositiveFloat = 1.0, pos_scale: PositiveFloat = 1.0,
               value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: PositiveFloat = 1.0) -> None:
@@ -200,8 +193,7 @@ def mask_init(backbone: nn.Module, structure: Structure, open_value: float = 10.
     _install_prior(backbone, structure, open_value, closed_value, scale, True)
 
 
-@register_init("fixed")
-@_uses_structure
+@register_init("fixed", uses_structure=True)
 def fixed_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
                closed_value: float = -10.0, scale: PositiveFloat = 1.0, pos_scale: PositiveFloat = 1.0,
                value_alpha: float = 0.0, value_beta: float = 0.0, qk_gain: PositiveFloat = 1.0) -> None:
@@ -234,8 +226,8 @@ def _backbone_method(backbone: nn.Module, name: str, init: str):
     method = getattr(backbone, name, None)
     if method is None:
         raise ValueError(
-            f"init {init!r} needs {type(backbone).__name__}.{name}() (see the backbone interface in "
-            "lightning_maskprior/inits.py)"
+            f"init {init!r} needs {type(backbone).__name__}.{name}() (see "
+            "lightning_maskprior.contracts.QueryKeyBackbone)"
         )
     return method
 
@@ -297,16 +289,15 @@ def svd_query_key(positions: Tensor, target: Tensor, head_dim: int) -> tuple[Ten
 def _fit_svd_layer(backbone: nn.Module, positions: Tensor, target: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
     """:func:`svd_query_key` over the backbone's patch/position tokens only.
 
-    Prefix tokens (a ViT's CLS and register tokens, ``backbone.num_prefix_tokens``) are left out of the
+    Prefix tokens (a CLS token, a ViT's register tokens: ``backbone.num_prefix_tokens``) are left out of the
     pseudo-inverse and the target, as in the reference, which fits the pattern on the patch positions
     ``pe[1:]``; their rows and columns then follow from their own embedding.
     """
-    prefix = int(getattr(backbone, "num_prefix_tokens", 0))
+    prefix = contracts.prefix_tokens(backbone)
     return svd_query_key(positions[prefix:], target[..., prefix:, prefix:], head_dim)
 
 
-@register_init("qk_svd")
-@_uses_structure
+@register_init("qk_svd", uses_structure=True)
 def qk_svd_init(backbone: nn.Module, structure: Structure, open_value: float = 10000.0,
                 closed_value: float = 0.0, pos_scale: PositiveFloat = 18.0, qk_scale: PositiveFloat = 7.0) -> None:
     """Structured QK by SVD (Zheng et al. 2025): the structure's logit pattern put into Wq, Wk.
@@ -387,8 +378,7 @@ def _attention_inputs(backbone: nn.Module, inputs, index: int) -> Tensor:
     return captured[0]
 
 
-@register_init("qk_opt")
-@_uses_structure
+@register_init("qk_opt", uses_structure=True)
 def qk_opt_init(backbone: nn.Module, structure: Structure, steps: PositiveInt = 2000, lr: PositiveFloat = 1e-4,
                 renorm_every: NonNegativeInt = 100, fit_on: Literal["positions", "inputs"] = "positions",
                 probe_size: PositiveInt = 256, pos_scale: PositiveFloat = 1.0, qk_scale: PositiveFloat = 1.0) -> None:
@@ -526,8 +516,7 @@ def impulse_init(backbone: nn.Module, structure: Structure | None, open_value: f
         layer.clear_prior()
 
 
-@register_init("mask_impulse")
-@_uses_structure
+@register_init("mask_impulse", uses_structure=True)
 def mask_impulse_init(backbone: nn.Module, structure: Structure, open_value: float = 10.0,
                       closed_value: float = -10.0, scale: PositiveFloat = 1.0, impulse_open_value: float = 1000.0,
                       closed_noise: NonNegativeFloat = 3.0, pos_scale: PositiveFloat = 18.0,

@@ -29,9 +29,12 @@ from lightning_maskprior.attention import (
     check_parameterisation,
 )
 from lightning_maskprior.checkpoints import check_checkpoint_fits
+from lightning_maskprior.contracts import check_backbone, prefix_tokens, uses_structure
 from lightning_maskprior.discover import DiscoverySpec
-from lightning_maskprior.inits import INIT_METHODS, apply_init, check_init_options
+from lightning_maskprior.inits import apply_init, check_init_options, get_init
 from lightning_maskprior.models import Backbone, TokenTransformer
+from lightning_maskprior.objectives import build_objective
+from lightning_maskprior.plugins import resolve
 from lightning_maskprior.priors import Structure, StructureSpec
 from lightning_maskprior.task import TaskSpec
 
@@ -85,7 +88,7 @@ def _keep_plain_hparams(hparams: dict[str, Any]) -> None:
 
 def check_module_options(init: str, init_options: dict | None, lr_schedule: str, warmup_steps: int,
                          prior_weight_decay: float | None, parameterisation: str = "full",
-                         prior_rank: int = DEFAULT_RANK) -> None:
+                         prior_rank: int = DEFAULT_RANK, objective: str | None = None) -> None:
     """The module's own options, checked as ``MaskPriorModule`` does before it builds anything (also what a
     study's ``--dry_run`` checks for every run); a ValueError naming the option, its value and what it expects."""
     check_parameterisation(parameterisation, prior_rank)
@@ -102,13 +105,15 @@ def check_module_options(init: str, init_options: dict | None, lr_schedule: str,
     if init_options is not None and not isinstance(init_options, dict):
         raise ValueError(f"init_options must be a mapping of option: value, got {init_options!r}")
     check_init_options(init, init_options or {})  # an unknown init, option, type or range
+    if objective is not None:
+        resolve("objective", objective)  # an unknown objective, or one that does not satisfy its contract
 
 
 def set_parameterisation(backbone: nn.Module, parameterisation: str, rank: int = DEFAULT_RANK) -> None:
     """Make every prior-carrying layer of ``backbone`` hold its prior as ``parameterisation``, with the backbone's
-    token layout for ``relative``: its prefix tokens (``num_prefix_tokens``, or the token transformer's CLS
-    ``num_extra_tokens``) and its ``patch_grid()`` if it has one."""
-    prefix = int(getattr(backbone, "num_prefix_tokens", getattr(backbone, "num_extra_tokens", 0)) or 0)
+    token layout for ``relative``: its prefix tokens (``num_prefix_tokens``: a CLS token, registers) and its
+    ``patch_grid()`` if it has one."""
+    prefix = prefix_tokens(backbone)
     patch_grid = getattr(backbone, "patch_grid", None)
     grid = tuple(patch_grid()) if callable(patch_grid) else None
     for layer in attention_layers(backbone):
@@ -135,14 +140,20 @@ class MaskPriorModule(L.LightningModule):
             (e.g. ``lightning_maskprior.models.TokenTransformer``) with its other arguments in
             ``init_args``.
         init: Where the structure goes: ``default`` (nowhere), ``mask`` (learnable prior M),
-            ``zero`` (learnable M = 0), ``fixed`` (frozen M), or a query/key baseline.
+            ``zero`` (learnable M = 0), ``fixed`` (frozen M), a query/key baseline, or ``module.path:function``: an
+            init method of your own (:class:`~lightning_maskprior.contracts.InitMethod`).
         init_options: Options of the init method, e.g. ``{open_value: 10, closed_value: -10}``
             for ``mask``. They override, key by key, the task's defaults for that method
             (``TaskSpec.init_defaults``: the paper's values for each benchmark).
         structure: Replace the task's own structure with one given here (pairs, per-head pairs,
-            per-layer lists or a .pt/.npy file), or ``discover:<method>`` (e.g. ``discover:fourier``): the one
-            that estimator finds in the training data (``maskprior discover``), recorded in the hparams;
-            ``{discover: <method>, options: {...}}`` gives the estimator's options.
+            per-layer lists, a .pt/.npy file, or a structure builder: ``full``, ``my_pkg.structures:ring``,
+            ``{builder: NAME, options: {...}}``), or ``discover:<method>`` (e.g. ``discover:fourier``, or
+            ``discover:my_pkg.estimators:mine``): the one that estimator finds in the training data
+            (``maskprior discover``), recorded in the hparams; ``{discover: <method>, options: {...}}`` gives the
+            estimator's options.
+        objective: Replace the task's objective (its loss and metrics): a registered one (``regression``,
+            ``classification``, ``language_model``) or ``module.path:function`` of your own, called with the task's
+            TaskSpec (:class:`~lightning_maskprior.contracts.ObjectiveFactory`). Default: the task's.
         optimizer: Optimizer class and its arguments (default Adam, lr 1e-3).
         lr_schedule: ``constant`` or ``cosine`` decay to 0 over the whole run, stepped per batch.
         warmup_steps: Linear warm-up steps before the schedule.
@@ -175,6 +186,7 @@ class MaskPriorModule(L.LightningModule):
         prior_weight_decay: float | None = 0.0,
         parameterisation: Parameterisation = "full",
         prior_rank: int = DEFAULT_RANK,
+        objective: str | None = None,
         task: TaskSpec | None = None,
         datamodule: dict[str, Any] | None = None,
     ) -> None:
@@ -185,7 +197,7 @@ class MaskPriorModule(L.LightningModule):
                                  "datamodule as datamodule={'class_path': ..., 'init_args': {...}}")
             task = build_datamodule(datamodule).task_spec()
         check_module_options(init, init_options, lr_schedule, warmup_steps, prior_weight_decay, parameterisation,
-                             prior_rank)
+                             prior_rank, objective)
         self.save_hyperparameters(ignore=["task"])
         if isinstance(structure, DiscoverySpec):  # recorded as the YAML gives it
             self.hparams["structure"] = {"discover": structure.discover, "options": dict(structure.options)}
@@ -202,8 +214,11 @@ class MaskPriorModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
         self.prior_weight_decay = prior_weight_decay
+        self.objective_name = objective
+        self.objective = build_objective(objective, task) if objective is not None else task.objective
 
         self.backbone = backbone(task)
+        check_backbone(self.backbone)
         self.structure = self._resolve_structure(structure)
         self.init_options = {**task.init_defaults.get(init, {}), **(init_options or {})}
         self.parameterisation = parameterisation
@@ -211,7 +226,6 @@ class MaskPriorModule(L.LightningModule):
         apply_init(init, self.backbone, self.structure, **self.init_options)
         self.projection_error = _report_projection(self.backbone, parameterisation)
 
-        self.objective = task.objective
         self.metrics = nn.ModuleDict({s: self.objective.make_metrics() for s in ("val", "test")})
         self.mean_loss = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
 
@@ -219,6 +233,10 @@ class MaskPriorModule(L.LightningModule):
     def _resolve_structure(self, spec: StructureSpec | DiscoverySpec | str | None) -> Structure | None:
         if isinstance(spec, dict) and "discover" in spec:  # as a checkpoint's hyperparameters keep it
             spec = DiscoverySpec(**spec)
+        if isinstance(spec, dict) and "builder" in spec:
+            spec = StructureSpec(**spec)
+        if isinstance(spec, str) and not spec.startswith("discover:"):
+            spec = StructureSpec(builder=spec)  # a structure builder's name or import path
         if isinstance(spec, str | DiscoverySpec):
             spec = self._discovered(spec)
         structure = spec.build(self.task.seq_len) if spec is not None else self.task.structure
@@ -232,7 +250,7 @@ class MaskPriorModule(L.LightningModule):
         """An init that does not place the structure (default, zero, mimetic, ...) only measures against it: where
         its heads do not fit the model's (GOAT needs a head count that divides the width; the task's structure may
         have one pattern per head of another count), it is measured against the union of its heads."""
-        if getattr(INIT_METHODS[self.init_method], "needs_structure", False):
+        if uses_structure(get_init(self.init_method)):
             return structure
         layers = attention_layers(self.backbone)
         if layers and structure.num_heads not in (1, layers[0].num_heads):
@@ -244,13 +262,14 @@ class MaskPriorModule(L.LightningModule):
         in the training split of this run's datamodule (discover.py), instead of the task's own; the pairs go into
         the hyperparameters."""
         from lightning_maskprior.discover import ESTIMATORS, agreement, discover
+        from lightning_maskprior.plugins import is_import_path
 
         method, options = (spec.discover, spec.options or {}) if isinstance(spec, DiscoverySpec) else (
             spec.removeprefix("discover:"), {})
-        if isinstance(spec, str) and not spec.startswith("discover:") or method not in ESTIMATORS:
-            raise ValueError(f"structure {spec!r}: expected a structure (pairs, heads, layers or file), "
+        if method not in ESTIMATORS and not is_import_path(method):
+            raise ValueError(f"structure {spec!r}: expected a structure (pairs, heads, layers, file or builder), "
                              f"discover:<method> or {{discover: <method>, options: {{...}}}} with a method in "
-                             f"{sorted(ESTIMATORS)}")
+                             f"{sorted(ESTIMATORS)} or module.path:function")
         if not self.hparams.get("datamodule"):
             raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
         start = time.perf_counter()
@@ -275,7 +294,8 @@ class MaskPriorModule(L.LightningModule):
         attends only to itself as far as a structure is concerned): what the discovery estimators train."""
         return type(self)(backbone=self.backbone_factory, init=init, structure=StructureSpec(pairs=[]),
                           optimizer=self.optimizer_factory, lr_schedule=self.lr_schedule,
-                          warmup_steps=self.warmup_steps, prior_weight_decay=self.prior_weight_decay, task=self.task)
+                          warmup_steps=self.warmup_steps, prior_weight_decay=self.prior_weight_decay,
+                          objective=self.objective_name, task=self.task)
 
     def on_train_start(self) -> None:
         metrics = getattr(self, "discovery_metrics", None)

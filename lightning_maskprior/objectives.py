@@ -1,13 +1,47 @@
-"""Objectives: a task's loss and its torchmetrics, shared by the datamodules."""
+"""Objectives: a task's loss and its torchmetrics, shared by the datamodules.
+
+A datamodule's ``task_spec()`` gives its task's objective; ``--model.objective NAME`` replaces it with one of the
+registry below or one of your own (``my_pkg.objectives:huber``, :class:`~lightning_maskprior.contracts.
+ObjectiveFactory`): a function, or an Objective subclass, called with the task's TaskSpec.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric, MeanSquaredError, Metric, MetricCollection
 
-from lightning_maskprior.task import Objective
+from lightning_maskprior.contracts import check_objective, check_objective_factory
+from lightning_maskprior.plugins import resolve
+from lightning_maskprior.task import Objective, TaskSpec
+
+ObjectiveFactory = Callable[[TaskSpec], Objective]
+OBJECTIVES: dict[str, ObjectiveFactory] = {}
+
+
+def register_objective(name: str) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
+    """Decorator: register ``fn(task) -> Objective`` as objective ``name``, which ``--model.objective NAME`` names
+    (the contract: :class:`~lightning_maskprior.contracts.ObjectiveFactory`, checked now)."""
+
+    def decorator(fn: ObjectiveFactory) -> ObjectiveFactory:
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is already registered")
+        check_objective_factory(name, fn)
+        OBJECTIVES[name] = fn
+        return fn
+
+    return decorator
+
+
+def build_objective(name: str, task: TaskSpec) -> Objective:
+    """Objective ``name`` (registered, or ``module.path:attribute``) for ``task``; a PluginError naming it where
+    what it gives is not an Objective with its three methods."""
+    objective = resolve("objective", name)(task)
+    check_objective(name, objective)
+    return objective
 
 
 def nearest_label(pred: Tensor, label_values: Tensor | None) -> Tensor:
@@ -218,3 +252,22 @@ class ClassificationObjective(Objective):
             output[broken] = 0.0
             output[broken, target[broken]] = -1e9
         metrics.update(output, target)
+
+
+# ---------------------------------------------------------------------------------- the registered objectives
+@register_objective("regression")
+def regression(task: TaskSpec) -> Objective:
+    """MSE on a scalar target, with the accuracy of the nearest integer (:class:`RegressionObjective`)."""
+    return RegressionObjective()
+
+
+@register_objective("classification")
+def classification(task: TaskSpec) -> Objective:
+    """Cross-entropy over the task's ``num_outputs`` classes (:class:`ClassificationObjective`)."""
+    return ClassificationObjective(task.num_outputs)
+
+
+@register_objective("language_model")
+def language_model(task: TaskSpec) -> Objective:
+    """Next-token cross-entropy and perplexity (:class:`LanguageModelObjective`)."""
+    return LanguageModelObjective()

@@ -8,12 +8,17 @@ mask inits use its values as M.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import inspect
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_maskprior.contracts import PluginError, check_structure_builder
+from lightning_maskprior.plugins import resolve
 
 Pair = tuple[int, int]
 
@@ -175,6 +180,43 @@ def check_open_closed(open_value: float, closed_value: float) -> None:
 
 
 # ------------------------------------------------------------------------------------ builders
+StructureBuilder = Callable[..., Structure]
+STRUCTURE_BUILDERS: dict[str, StructureBuilder] = {}
+
+
+def register_structure(name: str) -> Callable[[StructureBuilder], StructureBuilder]:
+    """Decorator: register ``fn(seq_len, **options) -> Structure`` as structure builder ``name``, which
+    ``--model.structure NAME`` (or ``{builder: NAME, options: {...}}``) names (the contract:
+    :class:`~lightning_maskprior.contracts.StructureBuilder`, checked now)."""
+
+    def decorator(fn: StructureBuilder) -> StructureBuilder:
+        if name in STRUCTURE_BUILDERS:
+            raise ValueError(f"structure builder {name!r} is already registered")
+        check_structure_builder(name, fn)
+        STRUCTURE_BUILDERS[name] = fn
+        return fn
+
+    return decorator
+
+
+def build_structure(name: str, seq_len: int, options: dict[str, Any] | None = None) -> Structure:
+    """The structure builder ``name`` (registered, or ``module.path:function``) makes over ``seq_len`` tokens with
+    ``options``; a PluginError naming the builder where the options do not fit its signature or it does not give
+    a Structure."""
+    builder = resolve("structure", name)
+    options = dict(options or {})
+    try:
+        inspect.signature(builder).bind(seq_len, **options)
+    except TypeError as err:
+        accepted = [p for p in list(inspect.signature(builder).parameters)[1:]]
+        raise PluginError(f"structure builder {name!r}: {err} (its options: {', '.join(accepted) or 'none'})") from None
+    structure = builder(seq_len, **options)
+    if not isinstance(structure, Structure):
+        raise PluginError(f"structure builder {name!r} returned a {type(structure).__name__}; expected a Structure "
+                          "(lightning_maskprior.priors.Structure)")
+    return structure
+
+
 def _pairs_to_open(n: int, pairs: Iterable[Sequence[int]], symmetric: bool, diagonal: bool) -> Tensor:
     open = torch.eye(n, dtype=torch.bool) if diagonal else torch.zeros(n, n, dtype=torch.bool)
     for pair in pairs:
@@ -203,11 +245,13 @@ def pairs_per_head(n: int, head_pairs: Sequence[Iterable[Sequence[int]]], symmet
     return Structure(torch.stack(heads), name=name)
 
 
+@register_structure("diagonal")
 def diagonal(n: int, name: str = "diagonal") -> Structure:
     """Each token attends only to itself (Majority: no off-diagonal interactions)."""
     return Structure(torch.eye(n, dtype=torch.bool), name=name)
 
 
+@register_structure("cyclic_window")
 def cyclic_window(n: int, offsets: Sequence[int] = (0, 1, 2), name: str = "cyclic_window",
                   open_diagonal: bool = True) -> Structure:
     """Token i attends to tokens (i + o) mod n for each offset o, in every layer.
@@ -226,6 +270,7 @@ def cyclic_window(n: int, offsets: Sequence[int] = (0, 1, 2), name: str = "cycli
     return Structure(open, name=name)
 
 
+@register_structure("full")
 def full(n: int, name: str = "full") -> Structure:
     """Every pair open: the prior is a constant and has no effect."""
     return Structure(torch.ones(n, n, dtype=torch.bool), name=name)
@@ -255,6 +300,7 @@ def grid_impulse(height: int, width: int, offsets: Sequence[Pair] | None = None,
     return Structure(torch.stack(heads), name=name)
 
 
+@register_structure("causal_relative_distance")
 def causal_relative_distance(n: int, name: str = "causal relative distance") -> Structure:
     """The language prior (arXiv 2608.00418): token i attends to j <= i, graded M_ij = -max(i - j, 0).
 
@@ -343,7 +389,7 @@ def with_answer_tokens(structure: Structure, num_digits: int, num_answer: int, l
 # ------------------------------------------------------------------------------- user structures
 @dataclass
 class StructureSpec:
-    """A structure given in YAML. Exactly one of ``pairs``, ``heads``, ``layers`` or ``file``.
+    """A structure given in YAML. Exactly one of ``pairs``, ``heads``, ``layers``, ``file`` or ``builder``.
 
     Args:
         pairs: Open token pairs ``[[i, j], ...]``, the same in every layer and head.
@@ -351,6 +397,11 @@ class StructureSpec:
         layers: One entry per layer, each a list of per-head pair lists.
         file: A ``.pt`` or ``.npy`` file holding a Boolean array of shape (N, N), (heads, N, N) or
             (layers, heads, N, N).
+        builder: A structure builder, called as ``builder(seq_len, **options)``: a registered one (``full``,
+            ``diagonal``, ``cyclic_window``, ``causal_relative_distance``) or ``module.path:function`` of your own
+            (:class:`~lightning_maskprior.contracts.StructureBuilder`). ``--model.structure NAME`` is the same with
+            no options.
+        options: The builder's options, e.g. ``{offsets: [0, 1]}`` for ``cyclic_window``.
         symmetric: Open (j, i) whenever (i, j) is listed.
         diagonal: Keep every token's own entry open (recommended: an all-closed row is uniform).
     """
@@ -359,16 +410,22 @@ class StructureSpec:
     heads: list[list[list[int]]] | None = None
     layers: list[list[list[list[int]]]] | None = None
     file: str | None = None
+    builder: str | None = None
+    options: dict[str, Any] | None = None
     symmetric: bool = True
     diagonal: bool = True
 
     def build(self, seq_len: int) -> Structure:
-        given = [k for k in ("pairs", "heads", "layers", "file") if getattr(self, k) is not None]
+        given = [k for k in ("pairs", "heads", "layers", "file", "builder") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(
-                f"a structure needs exactly one of pairs, heads, layers or file; got {given or 'none'}"
+                f"a structure needs exactly one of pairs, heads, layers, file or builder; got {given or 'none'}"
             )
-        if self.file is not None:
+        if self.options and self.builder is None:
+            raise ValueError(f"structure options {self.options} are a builder's: give builder too")
+        if self.builder is not None:
+            structure = build_structure(self.builder, seq_len, self.options)
+        elif self.file is not None:
             structure = load_structure_file(self.file)
         elif self.pairs is not None:
             structure = pairs(seq_len, self.pairs, self.symmetric, self.diagonal, name="yaml pairs")

@@ -210,7 +210,7 @@ CASES = [
     ("structure pair out of range", structure("{pairs: [[0, 9]]}"), ValueError,
      r"pair \[0, 9\] has token 9, outside 0..5"),
     ("structure two sources", structure("{pairs: [[0, 1]], file: x.pt}"), ValueError,
-     r"a structure needs exactly one of pairs, heads, layers or file; got \['pairs', 'file'\]"),
+     r"a structure needs exactly one of pairs, heads, layers, file or builder; got \['pairs', 'file'\]"),
     ("structure file missing", structure("{file: @missing.pt}"), FileNotFoundError,
      rf"structure file \S*missing.pt does not exist; {EXPECTED_STRUCTURE}"),
     ("structure file suffix", structure("{file: @structure.txt}"), ValueError,

@@ -5,12 +5,9 @@ datamodule's TaskSpec as its first argument (the CLI passes it; YAML gives the r
 ``model.backbone.init_args``). Subclassing Backbone is what makes a class selectable as
 ``model.backbone`` on the command line.
 
-Optional hooks the rest of the project looks for:
-
-- ``structure_for_sequence(structure)``: map a structure over the task's tokens to the sequence
-  the attention sees (e.g. add a CLS row); by default the structure is used as it is.
-- the query/key init interface documented in ``lightning_maskprior/inits.py``
-  (``positional_embedding``, ``scale_positional_embedding``, ``attention_norms``, ...).
+The optional hooks the rest of the project reads (``num_prefix_tokens``, ``structure_for_sequence``,
+``patch_grid``, and the query/key inits' ``positional_embedding``, ``attention_norms``...) are the public contract
+:class:`~lightning_maskprior.contracts.PriorBackbone` (and :class:`~lightning_maskprior.contracts.QueryKeyBackbone`).
 """
 
 from __future__ import annotations
@@ -20,7 +17,13 @@ from torch import Tensor, nn
 
 
 class Backbone(nn.Module):
-    """Base class of the project's backbones (first constructor argument: the TaskSpec)."""
+    """Base class of the project's backbones (first constructor argument: the TaskSpec).
+
+    Attributes:
+        num_prefix_tokens: Tokens the attention sees before the task's own (a CLS token, registers); 0 here.
+    """
+
+    num_prefix_tokens: int = 0
 
 
 class TokenBackbone(Backbone):

@@ -95,10 +95,10 @@ class TokenTransformer(TokenBackbone):
         self.seq_len = task.seq_len
         self.vocab_size = task.vocab_size
         self.pooling = pooling
-        self.num_extra_tokens = 1 if pooling == "cls" else 0
+        self.num_prefix_tokens = 1 if pooling == "cls" else 0
         self.token_embedding = nn.Embedding(task.vocab_size, dim)
         self.pos_embedding = nn.Parameter(
-            torch.randn(1, task.seq_len + self.num_extra_tokens, dim) * pos_init_std
+            torch.randn(1, task.seq_len + self.num_prefix_tokens, dim) * pos_init_std
         )
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * pos_init_std) if pooling == "cls" else None
         def layer() -> nn.Module | None:
@@ -106,7 +106,7 @@ class TokenTransformer(TokenBackbone):
                 return None
             from lightning_maskprior.models.goat import GoatLayer
 
-            return GoatLayer(dim, num_heads, task.seq_len + self.num_extra_tokens, dropout, goat_options)
+            return GoatLayer(dim, num_heads, task.seq_len + self.num_prefix_tokens, dropout, goat_options)
 
         self.blocks = nn.ModuleList(
             Block(dim, num_heads, head_dim, mlp_dim, dropout, qkv_bias, attention=layer()) for _ in range(depth)
@@ -119,7 +119,7 @@ class TokenTransformer(TokenBackbone):
         if structure.seq_len != self.seq_len:
             n = structure.seq_len
             raise ValueError(f"structure is {n}x{n} but the sequence has {self.seq_len} tokens")
-        return structure.pad(self.num_extra_tokens, attends_to_all=True)
+        return structure.pad(self.num_prefix_tokens, attends_to_all=True)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Token + positional embeddings (B, N', dim), CLS first when pooling is ``cls``."""

@@ -19,14 +19,16 @@ import lightning as L
 from lightning_maskprior import discover as estimators
 from lightning_maskprior.attention import attention_layers
 from lightning_maskprior.module import MaskPriorModule
+from lightning_maskprior.plugins import is_import_path
 from lightning_maskprior.run import atomic, config_files
 from lightning_maskprior.run.cli import MaskPriorCLI
 
 
-def estimator_option_names() -> dict[str, list[str]]:
-    """Each option name any estimator declares, with the estimators that take it."""
+def estimator_option_names(*others: str) -> dict[str, list[str]]:
+    """Each option name any estimator declares (the registered ones and ``others``, e.g. one named by import path),
+    with the estimators that take it."""
     names: dict[str, list[str]] = {}
-    for method in sorted(estimators.ESTIMATORS):
+    for method in [*sorted(estimators.ESTIMATORS), *others]:
         for name in estimators.estimator_options(method):
             names.setdefault(name, []).append(method)
     return names
@@ -72,7 +74,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("-c", "--config", action="append", required=True, metavar="CONFIG",
                         help="A task config (repeatable, as for maskprior fit); its datamodule's training split is "
                         "read. Other --data.* options after it override the config, as for fit.")
-    parser.add_argument("--method", default="fourier", help=f"The estimator: one of {sorted(estimators.ESTIMATORS)}.")
+    parser.add_argument("--method", default="fourier", help=f"The estimator: one of {sorted(estimators.ESTIMATORS)}, "
+                        "or module.path:function of your own (lightning_maskprior.contracts.Estimator).")
     parser.add_argument("--out", type=Path, default=None,
                         help="Write the structure YAML here (default: print it); give it to --model.structure. "
                         "Never one of the -c configs.")
@@ -80,7 +83,7 @@ def main(argv: list[str]) -> None:
                         "load_run takes; a run of the task the configs describe) instead of training one; --steps "
                         "defaults to 0 then.")
     try:
-        argv, given = _split_options(list(argv), estimator_option_names())
+        argv, given = _split_options(list(argv), estimator_option_names(*_plugin_method(argv)))
     except ValueError as err:
         _bad_input(str(err))
     args, overrides = parser.parse_known_args(argv)
@@ -114,6 +117,15 @@ def main(argv: list[str]) -> None:
     unidentified = sum(1 for p in found.pairs if found.identifiable.get(p) is False)
     print(f"{args.out}: {len(found.pairs)} open pair(s) ({unidentified} not identifiable from the data), {layout}; "
           f"{found.summary[-1]}")
+
+
+def _plugin_method(argv: list[str]) -> list[str]:
+    """The estimator ``--method`` names by import path, if it does (its options are then read from it), resolved
+    now: an error names it."""
+    methods = [value for _, option, value, _ in config_files.option_values(list(argv), ("--method",))]
+    if methods and methods[-1] not in estimators.ESTIMATORS and is_import_path(methods[-1]):
+        return [methods[-1]]
+    return []
 
 
 def _bad_input(message: str) -> None:

@@ -1,0 +1,80 @@
+"""Plug-ins from your own code: an init method, a structure estimator, a structure builder or an objective, named
+by a registered name (``mask``, ``fourier``...) or by import path (``my_pkg.inits:my_init``).
+
+    maskprior fit -c boolean/2parity.yaml --model.init my_pkg.inits:my_init
+    maskprior fit -c boolean/2parity.yaml -c init/mask.yaml --model.structure discover:my_pkg.estimators:my_estimator
+    maskprior fit -c boolean/2parity.yaml -c init/mask.yaml --model.structure my_pkg.structures:ring
+    maskprior fit -c boolean/2parity.yaml --model.objective my_pkg.objectives:huber
+
+An import path is ``module.path:attribute`` (as the Boolean datamodule's own ``target`` and ``seen`` take it); the
+module is imported from the Python path (``PYTHONPATH``), by every process that needs it: the fit, a study's check
+of its inits, each of its runs, ``load_run``. What it names is checked against its contract
+(:mod:`lightning_maskprior.contracts`) when it is resolved, and one that does not satisfy it is refused with one
+:class:`~lightning_maskprior.contracts.PluginError` naming the plug-in and what it lacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning_maskprior.contracts import CHECKS, KIND_NAMES, PluginError
+
+# kind -> (module, registry): each registry maps a name to its plug-in, filled by the module's register decorator.
+REGISTRIES: dict[str, tuple[str, str]] = {
+    "init": ("lightning_maskprior.inits", "INIT_METHODS"),
+    "estimator": ("lightning_maskprior.discover", "ESTIMATORS"),
+    "structure": ("lightning_maskprior.priors", "STRUCTURE_BUILDERS"),
+    "objective": ("lightning_maskprior.objectives", "OBJECTIVES"),
+}
+
+__all__ = ["PluginError", "REGISTRIES", "import_path", "is_import_path", "registry", "resolve"]
+
+
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` is ``module.path:attribute`` rather than a registered name."""
+    return ":" in name
+
+
+def registry(kind: str) -> dict[str, Any]:
+    """The registered plug-ins of ``kind`` (``init``, ``estimator``, ``structure``, ``objective``) by name."""
+    if kind not in REGISTRIES:
+        raise ValueError(f"unknown kind of plug-in {kind!r}; expected one of {sorted(REGISTRIES)}")
+    module, name = REGISTRIES[kind]
+    return getattr(importlib.import_module(module), name)
+
+
+def import_path(path: str, what: str = "plug-in") -> Any:
+    """The object ``module.path:attribute`` names (``attribute`` may be dotted: ``Class.method``), imported now; a
+    PluginError naming ``what`` and ``path`` where the module cannot be imported or lacks the attribute."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute or ":" in attribute:
+        raise PluginError(f"{what} {path!r}: an import path must look like 'package.module:attribute'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - the user's module: a missing package, or its own error on import
+        reason = f"{type(err).__name__}: {err}"
+        hint = "; is its directory on the Python path (PYTHONPATH)?" if isinstance(err, ModuleNotFoundError) else ""
+        raise PluginError(f"{what} {path!r}: module {module_name!r} cannot be imported ({reason}){hint}") from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise PluginError(f"{what} {path!r}: module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    return target
+
+
+def resolve(kind: str, name: str) -> Any:
+    """The plug-in of ``kind`` that ``name`` names: a registered one, or ``module.path:attribute`` imported now and
+    checked against the contract of its kind (:mod:`lightning_maskprior.contracts`)."""
+    registered = registry(kind)
+    what = KIND_NAMES[kind]
+    if not isinstance(name, str) or not name:
+        raise PluginError(f"{what}: expected a registered name or module.path:attribute, got {name!r}")
+    if name in registered:
+        return registered[name]
+    if not is_import_path(name):
+        raise PluginError(f"unknown {what} {name!r}; expected one of {sorted(registered)}, or module.path:attribute "
+                          f"naming one of your own")
+    plugin = import_path(name, what)
+    CHECKS[kind](name, plugin)
+    return plugin
