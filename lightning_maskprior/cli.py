@@ -16,7 +16,7 @@ import importlib
 import os
 import sys
 
-from lightning_maskprior.run import checks, config_files
+from lightning_maskprior.run import config_files
 
 # subcommand -> (module, function): the function takes the arguments after the subcommand.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -55,8 +55,6 @@ def _dispatch(args: list[str] | None) -> None:
             sys.argv[1:] = argv  # LightningCLI (and DDP's re-launched ranks) read sys.argv
             return cli.main(None)
         return cli.main(argv)
-    if command == "study":
-        checks.check_argv(argv)  # the study file (and its -c files): exit 2 naming a file that is not YAML
     module, function = COMMANDS[command]
     return getattr(importlib.import_module(module), function)(argv[1:])
 

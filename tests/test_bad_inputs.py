@@ -26,7 +26,7 @@ from lightning_maskprior.datamodules import (
 )
 from lightning_maskprior.models import TokenTransformer
 from lightning_maskprior.module import MaskPriorModule
-from lightning_maskprior.run import checks
+from lightning_maskprior.run import checks, config_files
 from lightning_maskprior.run.rundir import Checkpoint, CheckpointError, RunDir
 
 BOOLEAN = str(CONFIGS / "boolean/2parity.yaml")
@@ -263,7 +263,7 @@ CASES = [
     ("arithmetic num_digits", lambda f: ArithmeticDataModule(num_digits=5), ValueError,
      r"num_digits must be 1..4 .*got 5"),
     # ---------------------------------------------------------------------------------- checkpoints
-    # Unreadable: LightningCLI loads ckpt_path right after parsing, so checks.check_argv reads it first (exit 2).
+    # Unreadable: read once, right after parsing, before anything is built (MaskPriorCLI.parse_arguments; exit 2).
     ("checkpoint missing", fit_mask("--ckpt_path", "@missing.ckpt"), 2,
      r"ckpt_path \S*missing.ckpt does not exist; expected a .ckpt file"),
     ("checkpoint is a folder", fit_mask("--ckpt_path", "@missing_dir"), 2,
@@ -505,7 +505,7 @@ def test_weights_only_false_is_the_users_choice(files):
 
 
 def test_good_config_and_structure_files_pass(files, tmp_path):
-    checks.check_argv(["fit", "-c", BOOLEAN, "--config", MASK])
+    assert config_files.check_yaml_file(BOOLEAN) and config_files.check_yaml_file(MASK)
     good = tmp_path / "good.npy"
     np.save(good, np.eye(6, dtype=np.int64))
     from lightning_maskprior.priors import load_structure_file

@@ -236,3 +236,23 @@ def test_a_checkpoint_that_records_no_datamodule_is_refused(trained, tmp_path):
     assert "the checkpoint records no datamodule (hyper_parameters.datamodule), the config asks for " \
            "lightning_maskprior.datamodules.BooleanGOTUDataModule" in errors[0]
     assert not root.exists()
+
+
+@pytest.mark.parametrize(("subcommand", "by"), [("fit", "path"), ("fit", "last"), ("test", "last")])
+def test_a_run_reads_its_checkpoint_once(trained, tmp_path, monkeypatch, subcommand, by):
+    """Every check of the checkpoint (binding, optimizer, step, shapes) and Lightning's restore use one read of it."""
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(trained, root)
+    reads = []
+    load = torch.load
+
+    def counting_load(f, *args, **kwargs):
+        reads.append(Path(f).name if isinstance(f, str | os.PathLike) else f)
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    main([subcommand, *config(), *COMMON, "--trainer.max_epochs", "4", "--trainer.default_root_dir", str(root),
+          "--ckpt_path", "last" if by == "last" else str(ckpt(root))])
+    assert reads == ["last.ckpt"]

@@ -1,7 +1,8 @@
-"""Checks of what a run is given (config files, checkpoints), made before anything trains.
+"""Checks of what a run is given (its checkpoint, its options), made before anything trains.
 
-Each error names the file or option, the bad value and what was expected. Files are read safely:
-checkpoints with ``torch.load(weights_only=True)``, YAML with ``yaml.safe_load``.
+Each error names the file or option, the bad value and what was expected. A checkpoint is read safely, once
+(``rundir.Checkpoint``: ``torch.load(weights_only=True)``); config files are checked as the parser reads them
+(``config_files.CheckedConfigFiles``).
 """
 
 from __future__ import annotations
@@ -11,85 +12,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from torch import nn
 
 from lightning_maskprior.checkpoints import CheckpointError, check_checkpoint_fits, checkpoint_mismatch
-from lightning_maskprior.run.config_files import option_values
 from lightning_maskprior.run.rundir import Checkpoint
 
 __all__ = ["CheckpointError", "checkpoint_mismatch"]  # raised and used by the checks below
 
 # ckpt_path values Lightning resolves itself (not files).
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
-
-
-# ---------------------------------------------------------------------------------- config files
-def check_argv(argv: list[str]) -> Checkpoint | None:
-    """Exit 2 with a message naming the file if a ``-c`` file is not valid YAML or the ``ckpt_path`` is unreadable;
-    return the ``ckpt_path`` as a :class:`Checkpoint` (read once, here), or None.
-
-    jsonargparse reports a YAML syntax error without naming the file (``in "<unicode string>"``), and
-    LightningCLI loads ``ckpt_path`` before any hook runs, failing with torch's raw error.
-    """
-    try:
-        return _check_argv(argv)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-
-def _check_argv(argv: list[str]) -> Checkpoint | None:
-    what = "study file" if argv[:1] == ["study"] else "config"
-    ckpt_path = weights_only = None
-    for _, option, value, _ in option_values(argv, ("-c", "--config", "--ckpt_path", "--weights_only")):
-        if option in ("-c", "--config"):
-            content = check_yaml_file(value, what) or {}
-            if "ckpt_path" in content:
-                ckpt_path = None if content["ckpt_path"] is None else str(content["ckpt_path"])
-            weights_only = content.get("weights_only", weights_only)
-        elif option == "--ckpt_path":
-            ckpt_path = None if value in ("null", "None") else value
-        elif option == "--weights_only":
-            weights_only = {"true": True, "false": False}.get(value.lower())
-    if argv[:1] == ["study"]:
-        return None
-    # LightningCLI reads the checkpoint's hyperparameters right after parsing, before any hook of ours.
-    return check_ckpt_path(ckpt_path, None, weights_only)
-
-
-def check_yaml_file(path: str | Path, what: str = "config") -> Any:
-    """The content of YAML file ``path``; a ValueError naming the file, line and problem if it does not parse.
-
-    A missing file is left to the parser, which names it.
-    """
-    path = Path(path)
-    if not path.is_file():
-        return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{what} {path} is not UTF-8 text (byte {err.start}): expected a YAML file") from None
-    if not text.strip():
-        raise ValueError(f"{what} {path} is empty: expected a mapping of options (key: value); a copy cut short?")
-    try:
-        content = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = err.problem or err.context or "cannot parse"
-        if err.context and err.problem:  # e.g. "while parsing a flow sequence" that a missing ']' left open
-            start = err.context_mark
-            since = f" that starts at line {start.line + 1}, column {start.column + 1}" if start is not None else ""
-            problem += f" ({err.context}{since})"
-        raise ValueError(f"{what} {path}: YAML syntax error{where}: {problem}") from None
-    except yaml.YAMLError as err:
-        raise ValueError(f"{what} {path}: YAML syntax error: {err}") from None
-    if content is not None and not isinstance(content, dict):
-        raise ValueError(
-            f"{what} {path} holds a YAML {type(content).__name__}; expected a mapping of options (key: value)"
-        )
-    return content
 
 
 # ----------------------------------------------------------------------------------- checkpoints

@@ -43,74 +43,70 @@ from lightning_maskprior.run.resume import ResumedOptions
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, StudyRunDir
 
 
-class OneLineParser(errors.OneLineErrors, LightningArgumentParser):
-    """LightningCLI's parser with one-line errors (``error: key: expected TYPE, got VALUE``, exit 2)."""
+class OneLineParser(config_files.CheckedConfigFiles, errors.OneLineErrors, LightningArgumentParser):
+    """LightningCLI's parser with one-line errors (``error: key: expected TYPE, got VALUE``, exit 2) and config files
+    checked as it reads them (one naming the file that is not a YAML mapping)."""
+
+
+class ReadOnceCheckpointIO(AtomicCheckpointIO):
+    """The CLI's checkpoint plugin: saves atomically, and hands Lightning's restore the run's checkpoint as the CLI
+    already read it (one ``torch.load`` per run) instead of loading the same file again."""
+
+    def __init__(self, checkpoint: Checkpoint | None = None) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+
+    def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        held = self.checkpoint
+        if held is not None and held.is_read and Path(path).resolve() == held.path.resolve():
+            return held.contents
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+class RemoveEmptyRun(Callback):
+    """A run that fails before it logs anything leaves no empty run in TensorBoard (``RunDir.remove_if_empty``)."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # logger.log_dir, not trainer.log_dir: the latter is a collective call, unsafe on a failure path.
+        logger = trainer.logger
+        if trainer.is_global_zero and logger is not None:
+            logger.finalize("failed")  # flushed first: a value still queued in the event writer is a result
+            _remove_if_empty(getattr(logger, "log_dir", None))
 
 
 class MaskPriorCLI(LightningCLI):
     """LightningCLI with the datamodule's TaskSpec linked into the model.
 
-    ``checkpoint``: the ``ckpt_path`` the command line names, already read by ``checks.check_argv``; every check
-    of the checkpoint (what it binds, its step, its shapes, its run directory) looks at that one object.
+    ``checkpoint``: the config's ``ckpt_path`` as a :class:`Checkpoint`, read once, as soon as the arguments are
+    parsed (``parse_arguments``). Every check of it (what it binds, its step, its shapes, its run directory) looks at
+    that one object, and Lightning's restore is handed its contents (``ReadOnceCheckpointIO``).
     """
 
-    def __init__(self, *args: Any, checkpoint: Checkpoint | None = None, **kwargs: Any) -> None:
-        self.checkpoint = checkpoint
-        super().__init__(*args, **kwargs)
+    checkpoint: Checkpoint | None = None
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data", "model.task", apply_on="instantiate", compute_fn=_task_spec)
         # The datamodule's config goes into the model's hyperparameters (and checkpoints): it rebuilds the task.
         parser.link_arguments("data", "model.datamodule", apply_on="parse", compute_fn=_datamodule_spec)
 
-    # Three private LightningCLI methods are overridden, each where no public hook exists (Lightning 2.x):
-    # _parse_ckpt_path (the hparams merge has no switch), _instantiate_trainer (the one place that sees the
-    # config's callbacks and plugins before the Trainer exists) and _run_subcommand (no hook on a failed run).
-    def _parse_ckpt_path(self) -> None:
-        # Lightning would merge the checkpoint's hyperparameters into the config here, silently replacing options
-        # given on the command line. Instead the config is the truth and the checkpoint must belong to it: same
-        # datamodule and task, same init, init options and structure (checks.check_checkpoint_binds), checked
-        # before anything is built or written. Options that only steer training (lr_schedule, the optimizer...)
-        # are the config's: a resumed fit continues with them.
-        subcommand = self.config.get("subcommand")
-        if subcommand is None:
-            return
-        config = self.config[subcommand]
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path == "last":
-            config.ckpt_path = ckpt_path = _resolve_last(config, subcommand)
-        if ckpt_path in ("best", "hpc"):
-            _bad_input(f"--ckpt_path {ckpt_path} names a checkpoint of a fit in this same process (Lightning's), "
-                       f"which a separate `maskprior {subcommand}` has none of; expected last (the newest run of this "
-                       "config under trainer.default_root_dir) or a checkpoint file, e.g. RUN/checkpoints/last.ckpt")
-        if ckpt_path is None and subcommand in ("test", "predict"):
-            _bad_input(f"{subcommand} needs --ckpt_path, got none; expected the checkpoint of a trained run (e.g. "
-                       f"RUN/checkpoints/last.ckpt, or last: the newest under trainer.default_root_dir). Without one "
-                       f"it would {subcommand} an untrained model")
-        if not ckpt_path or not Path(ckpt_path).is_file():
-            return
-        if self.checkpoint is None or self.checkpoint.path != Path(ckpt_path):
-            self.checkpoint = Checkpoint(ckpt_path)
-        try:
-            checks.check_checkpoint_binds(self.checkpoint, config.get("model"), _datamodule_spec(config.get("data")))
-            if subcommand == "fit":
-                checks.check_same_optimizer(self.checkpoint, config.get("model"))
-                checks.check_resumable(self.checkpoint, config.get("trainer"))
-        except checks.CheckpointError as err:
-            _bad_input(str(err))
-
-    def instantiate_classes(self) -> None:
-        # A bad value a datamodule, structure, init or module refuses while being built is bad input: one line and
-        # exit 2, not a traceback. (Errors once training runs are not caught here.)
-        try:
-            super().instantiate_classes()
-        except (ValueError, FileNotFoundError) as err:
-            _bad_input(_underlying_message(err))
-
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
                      subparser_kwargs: dict[str, Any]) -> None:
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         self.parser.epilog = _EPILOG  # the commands that are not LightningCLI's
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is not None:
+            self.checkpoint = _read_checkpoint(self.config[subcommand], subcommand)
+
+    def _parse_ckpt_path(self) -> None:
+        # The one private override: Lightning 2.6 merges the checkpoint's hyperparameters into the config here, with
+        # no public switch, silently replacing options given on the command line (and loading the file a second
+        # time). Instead the config is the truth and the checkpoint must belong to it (_read_checkpoint). Options
+        # that only steer training (lr_schedule, the optimizer's...) are the config's: a resumed fit continues with
+        # them (run/resume.py).
+        pass
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand == "fit":
@@ -129,46 +125,59 @@ class MaskPriorCLI(LightningCLI):
             if line:
                 rank_zero_info(line)
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
+    def instantiate_classes(self) -> None:
+        # A bad value a datamodule, structure, init or module refuses while being built is bad input: one line and
+        # exit 2, not a traceback. (Errors once training runs are not caught here.)
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError) as err:
+            _bad_input(_underlying_message(err))
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """The Trainer with the run's own callbacks, logger and checkpoint plugin beside the configured ones."""
+        config = {**self.config_init[self.subcommand].get("trainer", {}), **kwargs}
+        configured = _as_list(config.get("callbacks"))
         # Every fit keeps last.ckpt (saved at the end of training and on SIGTERM/SIGINT), unless checkpointing is off.
-        callbacks = [*callbacks, StopOnSignal(), FinalCheckpoint(), RNGStates(), StopOnDivergence()]
+        callbacks = [StopOnSignal(), FinalCheckpoint(), RNGStates(), StopOnDivergence(), RemoveEmptyRun()]
         if self.subcommand == "fit":
             callbacks.append(ResumedOptions())  # a resumed fit trains with the config's optimizer options
-        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured):
             run_dir = RunDir.of_checkpoint(self.config.predict.get("ckpt_path"))
             callbacks.append(PredictionWriter(run_dir.path if run_dir is not None else None))
+        kwargs["logger"] = self._logger(config.get("logger"), config.get("default_root_dir"))
         if self.subcommand in ("fit", "validate", "test"):
-            callbacks += self._tensorboard_callbacks(config)
-        configured = [c for c in _as_list(config.get("callbacks")) if isinstance(c, ModelCheckpoint)]
+            callbacks += self._tensorboard_callbacks(kwargs["logger"], configured)
+        checkpointing = [c for c in configured if isinstance(c, ModelCheckpoint)]
         if config.get("enable_checkpointing", True) is not False:
-            if not configured:
+            if not checkpointing:
                 # After every training epoch (after its validation, when it has one), whatever the validation
                 # cadence: a kill loses at most the epoch in progress.
                 callbacks.append(ModelCheckpoint(save_last=True, save_on_train_epoch_end=True))
-            for callback in configured:
+            for callback in checkpointing:
                 callback.save_last = callback.save_last or True
+        kwargs["callbacks"] = [*configured, *callbacks]
         # Checkpoints through a temporary file: a full disk or a kill mid-save never truncates a good last.ckpt.
         plugins = _as_list(config.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
-            config["plugins"] = [*plugins, AtomicCheckpointIO()]
+            kwargs["plugins"] = [*plugins, ReadOnceCheckpointIO(self.checkpoint)]
         try:  # Lightning refuses a trainer option (devices 0, an accelerator this machine lacks...) here
-            return super()._instantiate_trainer(config, callbacks)
+            return super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ValueError, TypeError) as err:
             _bad_input(f"trainer: {err}")
 
-    def _tensorboard_callbacks(self, config: dict[str, Any]) -> list[Callback]:
-        """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``; with a logger,
-        the run's HPARAMS session and, in a fit with no LearningRateMonitor of its own, the learning rate per
-        parameter group, ``train/lr/<group>``, every ``log_every_n_steps`` steps."""
-        logger = config.get("logger")
+    def _logger(self, logger: Any, root: str | None) -> Any:
+        """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``."""
         if logger is None or logger is True:  # Lightning's default: a TensorBoardLogger in default_root_dir
-            config["logger"] = logger = _default_logger(config.get("default_root_dir"), self.model,
-                                                        self.config[self.subcommand].get("seed_everything"))
+            return _default_logger(root, self.model, self.config[self.subcommand].get("seed_everything"))
+        return logger
+
+    def _tensorboard_callbacks(self, logger: Any, configured: list[Callback]) -> list[Callback]:
+        """With a logger, the run's HPARAMS session and, in a fit with no LearningRateMonitor of its own, the learning
+        rate per parameter group, ``train/lr/<group>``, every ``log_every_n_steps`` steps."""
         if logger is False or not _as_list(logger):
             return []
         callbacks: list[Callback] = [HparamsSession()]
-        if self.subcommand == "fit" and not any(isinstance(c, LearningRateMonitor)
-                                                for c in _as_list(config.get("callbacks"))):
+        if self.subcommand == "fit" and not any(isinstance(c, LearningRateMonitor) for c in configured):
             callbacks.append(LearningRateMonitor(logging_interval="step"))
         return callbacks
 
@@ -176,23 +185,12 @@ class MaskPriorCLI(LightningCLI):
         config = self.config[self.subcommand]
         if self.subcommand == "fit":
             _check_optimizer(self.model, config.model.get("optimizer"))
-        try:  # ckpt_path: readable, fits the model
-            checks.check_ckpt_path(self.checkpoint or config.get("ckpt_path"), self.model, config.get("weights_only"))
+        try:  # ckpt_path: fits the model
+            checks.check_ckpt_path(self.checkpoint, self.model, config.get("weights_only"))
         except (checks.CheckpointError, FileNotFoundError) as err:
             _bad_input(str(err))
 
     before_validate = before_test = before_fit
-
-    def _run_subcommand(self, subcommand: str) -> None:
-        try:
-            super()._run_subcommand(subcommand)
-        except BaseException:
-            # A run that failed before logging anything must not leave an empty run in TensorBoard.
-            # logger.log_dir, not trainer.log_dir: the latter is a collective call, unsafe on a failure path.
-            logger = self.trainer.logger
-            if self.trainer.is_global_zero and logger is not None:
-                _remove_if_empty(getattr(logger, "log_dir", None))
-            raise
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -216,6 +214,36 @@ class MaskPriorCLI(LightningCLI):
         logger = self.trainer.logger
         if self.trainer.is_global_zero and logger is not None:
             _remove_if_empty(getattr(logger, "log_dir", None))
+
+
+def _read_checkpoint(config, subcommand: str) -> Checkpoint | None:
+    """The config's ``ckpt_path``, read once and checked against the config before anything is built or written:
+    readable, of this config's run (datamodule and task, init, init options and structure), and for a fit resumable
+    with the same optimizer. ``last`` becomes the newest run of this config. None: no checkpoint."""
+    ckpt_path = config.get("ckpt_path")
+    checkpoint = None
+    if ckpt_path == "last":
+        checkpoint = _resolve_last(config, subcommand)
+        config.ckpt_path = ckpt_path = str(checkpoint.path)
+    if ckpt_path in ("best", "hpc"):
+        _bad_input(f"--ckpt_path {ckpt_path} names a checkpoint of a fit in this same process (Lightning's), "
+                   f"which a separate `maskprior {subcommand}` has none of; expected last (the newest run of this "
+                   "config under trainer.default_root_dir) or a checkpoint file, e.g. RUN/checkpoints/last.ckpt")
+    if ckpt_path is None and subcommand in ("test", "predict"):
+        _bad_input(f"{subcommand} needs --ckpt_path, got none; expected the checkpoint of a trained run (e.g. "
+                   f"RUN/checkpoints/last.ckpt, or last: the newest under trainer.default_root_dir). Without one "
+                   f"it would {subcommand} an untrained model")
+    try:
+        checkpoint = checks.check_ckpt_path(checkpoint or ckpt_path, None, config.get("weights_only"))
+        if checkpoint is None:
+            return None
+        checks.check_checkpoint_binds(checkpoint, config.get("model"), _datamodule_spec(config.get("data")))
+        if subcommand == "fit":
+            checks.check_same_optimizer(checkpoint, config.get("model"))
+            checks.check_resumable(checkpoint, config.get("trainer"))
+    except (checks.CheckpointError, FileNotFoundError) as err:
+        _bad_input(str(err))
+    return checkpoint
 
 
 def _check_optimizer(model: MaskPriorModule, spec: Any) -> None:
@@ -284,9 +312,10 @@ def _underlying_message(err: BaseException) -> str:
     return text
 
 
-def _resolve_last(config, subcommand: str) -> str:
+def _resolve_last(config, subcommand: str) -> Checkpoint:
     """``--ckpt_path last``: the newest run's ``last.ckpt`` under ``trainer.default_root_dir`` (the newest intact
-    checkpoint beside it if that one is cut short), the same for fit, validate, test and predict."""
+    checkpoint beside it if that one is cut short), the same for fit, validate, test and predict; the checkpoint
+    as read to compare it with the config."""
     root = Path(config.trainer.get("default_root_dir") or ".")
     lasts = RunDir.lasts(root)
     if not lasts:
@@ -298,7 +327,8 @@ def _resolve_last(config, subcommand: str) -> str:
     others = []
     for last in lasts:
         found, note = RunDir.resolve_last(root, last)
-        problems = _other_run(found, config)
+        checkpoint = Checkpoint(found)
+        problems = _other_run(checkpoint, config)
         if not problems:
             break
         others.append((last, problems))
@@ -311,18 +341,18 @@ def _resolve_last(config, subcommand: str) -> str:
         print(f"maskprior: {note}", flush=True)
     if subcommand == "fit":
         print(f"resuming from {found}", flush=True)
-    return str(found)
+    return checkpoint
 
 
-def _other_run(ckpt: Path, config) -> str | None:
-    """How the run of checkpoint ``ckpt`` differs from the one ``config`` describes (binding options, seed), or
-    None for the same run."""
+def _other_run(checkpoint: Checkpoint, config) -> str | None:
+    """How the run of ``checkpoint`` differs from the one ``config`` describes (binding options, seed), or None for
+    the same run."""
     try:
-        problems = checks.binding_mismatch(Checkpoint(ckpt).hparams, config.get("model"),
+        problems = checks.binding_mismatch(checkpoint.hparams, config.get("model"),
                                            _datamodule_spec(config.get("data")))
     except checks.CheckpointError:
         return None  # unreadable: choosing it names the problem
-    run_dir = RunDir.of_checkpoint(ckpt)
+    run_dir = checkpoint.run_dir
     then = run_dir.config().get("seed_everything") if run_dir is not None else None
     now = config.get("seed_everything")
     if isinstance(then, int) and isinstance(now, int) and not isinstance(now, bool) and then != now:
@@ -348,7 +378,7 @@ def _continue_run_directory(config, checkpoint: Checkpoint | None) -> None:
     to that same ``<version>`` directory instead of a new one, with ``purge_step`` just after the checkpoint's
     step: points a killed run logged after its last checkpoint are hidden, so no step appears twice.
     """
-    # "last" is resolved already, into ``checkpoint`` (MaskPriorCLI._parse_ckpt_path)
+    # "last" is resolved already, into ``checkpoint`` (_read_checkpoint)
     run_dir = checkpoint.run_dir if checkpoint is not None else None
     if run_dir is None or not checkpoint.path.is_file():
         return
@@ -410,7 +440,6 @@ def _print_metrics(trainer: L.Trainer, prefix: str, title: str) -> None:
 def main(args: list[str] | None = None) -> None:
     """``maskprior fit / validate / test / predict ...`` (``args`` without the program name; None: ``sys.argv``)."""
     argv = config_files.resolve_argv(sys.argv[1:] if args is None else list(args))  # -c NAME: packaged configs
-    checkpoint = checks.check_argv(argv)  # -c files and ckpt_path, before LightningCLI reads them: exit 2 naming it
     try:  # freed tensors stay in the process instead of coming back as fresh pages every step (allocator.py)
         allocator.keep_freed_memory_if_enabled()
     except ValueError as err:
@@ -421,7 +450,7 @@ def main(args: list[str] | None = None) -> None:
     else:
         args = argv
     try:
-        _run_cli(args, checkpoint)
+        _run_cli(args)
     except Diverged as err:
         print(f"maskprior: {err}", file=sys.stderr, flush=True)
         sys.exit(run_status.EXIT_DIVERGED)
@@ -435,7 +464,7 @@ def main(args: list[str] | None = None) -> None:
             torch.distributed.destroy_process_group()
 
 
-def _run_cli(args: list[str] | None, checkpoint: Checkpoint | None = None) -> None:
+def _run_cli(args: list[str] | None) -> None:
     MaskPriorCLI(
         MaskPriorModule,
         L.LightningDataModule,
@@ -445,6 +474,5 @@ def _run_cli(args: list[str] | None, checkpoint: Checkpoint | None = None) -> No
         args=args,
         auto_configure_optimizers=False,
         parser_class=OneLineParser,
-        checkpoint=checkpoint,
     )
 

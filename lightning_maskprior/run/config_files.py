@@ -16,6 +16,7 @@ import argparse
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 _CONFIG_OPTIONS = ("-c", "--config")
 
@@ -80,6 +81,59 @@ def _replacement(value: str) -> str | None:
         return None  # inline YAML or a file that exists here: left as given
     found = resolve(value)
     return None if found is None else str(found)
+
+
+def check_yaml_file(path: str | Path, what: str = "config") -> Any:
+    """The content of YAML file ``path``; a ValueError naming the file, line and problem if it is not a YAML mapping.
+
+    A missing file is left to the parser, which names it.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {err.start}): expected a YAML file") from None
+    if not text.strip():
+        raise ValueError(f"{what} {path} is empty: expected a mapping of options (key: value); a copy cut short?")
+    try:
+        content = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = err.problem or err.context or "cannot parse"
+        if err.context and err.problem:  # e.g. "while parsing a flow sequence" that a missing ']' left open
+            start = err.context_mark
+            since = f" that starts at line {start.line + 1}, column {start.column + 1}" if start is not None else ""
+            problem += f" ({err.context}{since})"
+        raise ValueError(f"{what} {path}: YAML syntax error{where}: {problem}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"{what} {path}: YAML syntax error: {err}") from None
+    if content is not None and not isinstance(content, dict):
+        raise ValueError(
+            f"{what} {path} holds a YAML {type(content).__name__}; expected a mapping of options (key: value)"
+        )
+    return content
+
+
+class CheckedConfigFiles:
+    """A jsonargparse parser whose config files (``-c``) are checked as it reads them: one that is not UTF-8, is
+    empty, is not YAML or is not a mapping is one line naming the file (jsonargparse's own report of a YAML error
+    does not name it) and exit 2. ``config_file_kind`` names such a file in the message."""
+
+    config_file_kind = "config"
+
+    def parse_path(self, cfg_path: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            check_yaml_file(str(cfg_path), self.config_file_kind)
+        except ValueError as err:
+            from lightning_maskprior.run.errors import bad_input
+
+            bad_input(str(err))
+        return super().parse_path(cfg_path, *args, **kwargs)
 
 
 def names() -> list[str]:

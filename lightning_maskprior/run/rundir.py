@@ -283,6 +283,11 @@ class Checkpoint:
         return checkpoint
 
     @property
+    def is_read(self) -> bool:
+        """Whether ``contents`` has been read (and so checked) already."""
+        return "contents" in self.__dict__
+
+    @property
     def hparams(self) -> dict[str, Any]:
         return self.contents.get("hyper_parameters") or {}
 

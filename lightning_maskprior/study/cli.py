@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_maskprior.run import atomic
+from lightning_maskprior.run.config_files import CheckedConfigFiles
 from lightning_maskprior.run.errors import OneLineErrors
 from lightning_maskprior.run.rundir import StudyRunDir
 from lightning_maskprior.study.cell import prepare_run
@@ -59,8 +60,10 @@ def build_parser():
     class HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         """Keeps the description's line breaks (the examples)."""
 
-    class StudyParser(OneLineErrors, ArgumentParser):
-        """Errors in one line (exit 2)."""
+    class StudyParser(CheckedConfigFiles, OneLineErrors, ArgumentParser):
+        """Errors in one line (exit 2), the study file's among them."""
+
+        config_file_kind = "study file"
 
     parser = StudyParser(prog="maskprior study", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("-c", "--config", action=ActionConfigFile,
