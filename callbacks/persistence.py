@@ -23,13 +23,12 @@ from lightning_maskprior.callbacks.probe import (
     reference_structure,
     to_device,
 )
+from lightning_maskprior.metrics import HALF_LIFE, OPEN_MASS, PERSISTENCE, PERSISTENCE_HEADS, SCORE
 
 # Per-head metrics whose value at the first measurement (step 0) is the reference for `<name>_rel`.
 RELATIVE = ("open_mass", "attn_corr", "prior_corr")
 # The persistence score falls below this fraction of its initial value at the half-life.
 HALF = 0.5
-# TensorBoard group of the per layer/head series; the summaries (means, score, half-life) are under persistence/.
-PER_HEAD = "persistence_heads"
 
 
 def pearson(a: Tensor, b: Tensor) -> Tensor:
@@ -215,18 +214,17 @@ class PriorPersistence(Callback):
             if key in values:
                 kind, rest = key.split("/", 1)
                 values[f"{kind}_rel/{rest}"] = values[key] / ref if abs(ref) > 1e-12 else math.nan
-        means = _means(values)
+        logged = {f"{PERSISTENCE}/{k}": v for k, v in _means(values).items()}
         ref_open = [v for k, v in self.reference.items() if k.startswith("open_mass/")]
         if ref_open:
-            score = means["open_mass"] / (sum(ref_open) / len(ref_open))
-            means["score"] = score
+            score = logged[OPEN_MASS] / (sum(ref_open) / len(ref_open))
+            logged[SCORE] = score
             self.history.append((step, score))
             if self.half_life is None and score < HALF:
                 self.half_life = step
-                means["half_life"] = float(step)
-        logged = {f"persistence/{k}": v for k, v in means.items()}
+                logged[HALF_LIFE] = float(step)
         if self.per_head:
-            logged.update({f"{PER_HEAD}/{k}": v for k, v in values.items()})
+            logged.update({f"{PERSISTENCE_HEADS}/{k}": v for k, v in values.items()})
         log_scalars(trainer, logged, step)
         self.last_step = step
 

@@ -17,7 +17,7 @@ from lightning_maskprior.cli import main
 from lightning_maskprior.study import load_study, run_study
 from lightning_maskprior.study.figures import figures
 from lightning_maskprior.study.report import render, update_readme
-from lightning_maskprior.study.results import CURVES_FILE, MAPS_FILE, load, study_info
+from lightning_maskprior.study.results import ResultDir, load, study_info
 from lightning_maskprior.study.spec import StudyError
 
 INITS = ["default", "qk_opt", "mask"]
@@ -70,7 +70,7 @@ def write_result_dir(path: Path, curves: bool = True, **changes) -> Path:
                     rows.append([*key, "persistence/grad_q", step, step / 10, 10.0 ** -step])
             if half is not None:
                 rows.append([*key, "persistence/half_life", int(half), half / 10, half])
-    with gzip.open(path / CURVES_FILE, "wt", newline="") as f:
+    with gzip.open(path / ResultDir.CURVES, "wt", newline="") as f:
         csv.writer(f).writerows(rows)
     maps = {}
     for task in study.tasks:
@@ -79,7 +79,7 @@ def write_result_dir(path: Path, curves: bool = True, **changes) -> Path:
                 maps[f"{task.name}/{init}/{when}"] = np.full((2, 3, 4, 4), 0.25, dtype=np.float16)
                 maps[f"{task.name}/{init}/{when}_step"] = np.array(0 if when == "start" else 20)
             maps[f"{task.name}/{init}/structure"] = np.eye(4, dtype=bool)[None, None].repeat(2, 0).repeat(3, 1)
-    np.savez_compressed(path / MAPS_FILE, **maps)
+    np.savez_compressed(path / ResultDir.MAPS, **maps)
     return path
 
 
@@ -111,14 +111,15 @@ def test_table_in_the_papers_layout(result_dir):
 def test_which_way_is_better_a_cost_and_a_count():
     """Seconds are a cost (lower is better); a count of found pairs is neither: nothing bold, no direction."""
     from lightning_maskprior.study.results import InitInfo
-    from lightning_maskprior.study.spec import _parse_metrics
+    from lightning_maskprior.study.spec import _metrics
     from lightning_maskprior.study.tables import Cell, _describe, _table
 
-    seconds, pairs = _parse_metrics(["discovery/seconds", {"tag": "discovery/pairs", "better": "none"}], "metrics")
+    seconds, pairs = _metrics(["discovery/seconds", {"tag": "discovery/pairs", "better": "none"}], "metrics")
     assert seconds.better == "lower" and _describe(seconds) == "discovery/seconds (discovery/seconds; lower is better)"
     assert _describe(pairs) == "discovery/pairs (discovery/pairs)"
-    with pytest.raises(StudyError, match=r"metrics\[0\]: better must be 'higher', 'lower' or 'none', got 'up'"):
-        _parse_metrics([{"tag": "test/acc", "better": "up"}], "metrics")
+    with pytest.raises(StudyError, match=r"metrics\[0\]: better: expected one of 'higher', 'lower', 'none' or null, "
+                                         r"got 'up'"):
+        _metrics([{"tag": "test/acc", "better": "up"}], "metrics")
 
     class Result:
         inits = [InitInfo("default", "default"), InitInfo("mask", "mask")]
@@ -231,8 +232,8 @@ def test_fraction_sweep_is_drawn_against_the_training_fraction(tmp_path, monkeyp
 
 
 def test_missing_curves_give_tables_and_a_note(result_dir, capsys):
-    (result_dir / CURVES_FILE).unlink()
-    (result_dir / MAPS_FILE).unlink()
+    (result_dir / ResultDir.CURVES).unlink()
+    (result_dir / ResultDir.MAPS).unlink()
     main(["report", str(result_dir)])
     assert "tables only" in capsys.readouterr().out
     md = (result_dir / "table.md").read_text()
@@ -254,7 +255,7 @@ def test_report_command_regenerates_and_checks(result_dir, tmp_path, capsys):
     # Publishing into another directory copies the data files: that copy regenerates on its own.
     main(["report", str(result_dir), "--out_dir", str(tmp_path / "published")])
     published = tmp_path / "published"
-    assert (published / CURVES_FILE).is_file() and (published / "figures/persistence.pdf").is_file()
+    assert (published / ResultDir.CURVES).is_file() and (published / "figures/persistence.pdf").is_file()
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path)])  # not a result directory: named
     assert f"{tmp_path} is not a study's result directory" in capsys.readouterr().err
@@ -321,7 +322,7 @@ def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch, ca
     # A published copy of the data files, without run directories, gives the same tables.
     copy = tmp_path / "copy"
     copy.mkdir()
-    for name in ("study.json", "results.csv", CURVES_FILE, MAPS_FILE):
+    for name in ("study.json", "results.csv", ResultDir.CURVES, ResultDir.MAPS):
         shutil.copyfile(out / name, copy / name)
     render(copy)
     for name in ("per_seed.csv", "table.csv"):
@@ -371,7 +372,7 @@ def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch, ca
         load_study({**config, "results_from": str(tmp_path / "nowhere")})
     with pytest.raises(StudyError, match="results_from: '.*nowhere' is not a study's result directory"):
         load_study({**config, "results_from": [str(copy), str(tmp_path / "nowhere")]})
-    with pytest.raises(StudyError, match="results_from: 3 is neither a result directory nor a list"):
+    with pytest.raises(StudyError, match=r"results_from: expected list\[pathlib.Path\], pathlib.Path or null, got .3."):
         load_study({**config, "results_from": 3})
 
 
@@ -412,7 +413,7 @@ def test_a_labelled_variant_gets_its_name_and_every_column_says_what_it_ran(tmp_
      r"results.csv has no row for \d+ of the study's 6 runs"),
     (lambda p: p.joinpath("study.json").write_text('{"title": "x", "seeds": [0'),
      r"study.json is not valid JSON .*cut short or corrupt"),
-    (lambda p: p.joinpath(CURVES_FILE).write_bytes(p.joinpath(CURVES_FILE).read_bytes()[:30]),
+    (lambda p: p.joinpath(ResultDir.CURVES).write_bytes(p.joinpath(ResultDir.CURVES).read_bytes()[:30]),
      r"curves.csv.gz: cannot read the curves"),
 ])
 def test_report_refuses_a_cut_or_corrupt_data_file_naming_it(tmp_path, capsys, damage, message):

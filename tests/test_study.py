@@ -16,7 +16,6 @@ import yaml
 
 from conftest import CONFIGS, ROOT, TINY_BOOLEAN
 from lightning_maskprior.cli import main
-from lightning_maskprior.inits import INIT_METHODS
 from lightning_maskprior.run.rundir import StudyRunDir
 from lightning_maskprior.study import (
     LOCK_NAME,
@@ -28,6 +27,7 @@ from lightning_maskprior.study import (
     paper_results,
     run_study,
     study_lock,
+    study_options,
     write_outputs,
 )
 from lightning_maskprior.study import cell as cell_module
@@ -87,8 +87,7 @@ def test_there_are_studies():
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: str(p.relative_to(CONFIGS / "study").with_suffix("")))
 def test_shipped_studies_validate(path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    cfg = parse_file(path).as_dict()
-    study = load_study(cfg, path, known_inits=set(INIT_METHODS))  # every task config resolves (clone or package)
+    study = load_study(study_options(parse_file(path)), path)  # every task config resolves (clone or package)
     assert study.runs() and study.out_dir.parent == ROOT / "runs" / "study"
     if path.parent.name == "study":
         assert study.out_dir.name == path.stem

@@ -21,7 +21,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Interrupted": "cli", "build_parser": "cli", "main": "cli", "run_study": "cli",
+    "Interrupted": "cli", "build_parser": "cli", "main": "cli", "run_study": "cli", "study_options": "cli",
     "LOCK_NAME": "lock", "OWNER_NAME": "lock", "study_lock": "lock",
     "render": "report", "update_readme": "report", "write_outputs": "report",
     "ResultSet": "results", "collect": "results", "load": "results",

@@ -43,8 +43,17 @@ from lightning_maskprior.study.cell import prepare_run
 from lightning_maskprior.study.launchers import Launcher, get_launcher
 from lightning_maskprior.study.lock import study_lock
 from lightning_maskprior.study.report import write_outputs
-from lightning_maskprior.study.results import STUDY_FILE, kept_rows, study_info
-from lightning_maskprior.study.spec import Run, Study, StudyError, check_commands, format_command, load_study
+from lightning_maskprior.study.results import ResultDir, kept_rows, study_info
+from lightning_maskprior.study.spec import (
+    Run,
+    Study,
+    StudyError,
+    add_study_arguments,
+    check_commands,
+    field_docstrings,
+    format_command,
+    load_study,
+)
 
 
 class Interrupted(Exception):
@@ -52,7 +61,8 @@ class Interrupted(Exception):
 
 
 def build_parser():
-    """The ``maskprior study`` argument parser: every key of a study file is an option here."""
+    """The ``maskprior study`` argument parser: every key of a study file (a field of ``Study``) is an option
+    here, and two of the command's own."""
     import argparse
 
     from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
@@ -68,103 +78,7 @@ def build_parser():
     parser = StudyParser(prog="maskprior study", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("-c", "--config", action=ActionConfigFile,
         help="The study file (YAML) holding the options below.")
-    parser.add_argument("--title", type=str | None, default=None, help="Heading of table.md (default: the file name).")
-    parser.add_argument(
-        "--tasks", type=list[str | dict[str, Any]], default=[],
-        help="The table's rows. Each entry is a config path (the row is named after the file) or a mapping: "
-        "name (row name and directory), config (one path or a list, composed like repeated -c), "
-        "args (extra CLI overrides for this task, e.g. ['--trainer.max_epochs', '2']), metrics (this row's "
-        "metrics, replacing the top-level ones), curves (this row's curve tags), paper (the task's key in the "
-        "paper's tables; default: name). Relative paths are looked up from the working directory, then from "
-        "the study file's directory and its parents.",
-    )
-    parser.add_argument(
-        "--inits", type=list[str | dict[str, Any]], default=[],
-        help="The table's columns: init method names (registered in lightning_maskprior.inits, checked before "
-        "any run) or mappings: name (the init method), label (column and directory name; default name), "
-        "config (init configs to compose, e.g. configs/init/mask.yaml), args (extra overrides, e.g. "
-        "['--model.init_options', '{open_value: 5, closed_value: -5}']). Each run gets --model.init <name>.",
-    )
-    parser.add_argument("--seeds", type=list[int], default=[],
-        help="Seeds; each run passes its seed to every option in seed_args.")
-    parser.add_argument(
-        "--seed_args", type=list[str], default=["--seed_everything"],
-        help="CLI options that receive the run's seed (e.g. also --data.init_args.seed to vary the data order).",
-    )
-    parser.add_argument(
-        "--metrics", type=list[str | dict[str, Any]], default=[],
-        help="Numbers in each cell: TensorBoard tags (last value of the run) or mappings: tag (e.g. test/acc), "
-        "label (column text; default the tag), scale (e.g. 100 for percent), digits (decimals, default 4), paper "
-        "(the metric's key in the paper's table, e.g. acc, mse, seq_acc), better (higher or lower: the table bolds the "
-        "best mean per task; default lower for MSE, loss and perplexity tags, else higher). Tasks may override.",
-    )
-    parser.add_argument(
-        "--curves", type=list[str], default=["val/acc"],
-        help="Tags plotted over training per init method (each seed faint, the mean bold), one figure per task "
-        "(figures/<task>_curves.png and .pdf). The persistence/ summaries are kept and drawn too whenever the runs "
-        "logged them. Their points go to curves.csv.gz, from which `maskprior report` redraws every figure.",
-    )
-    parser.add_argument(
-        "--paper_tables", type=list[str | int], default=[],
-        help="The paper's tables to put beside ours, searched in order (1, 2, 3, 4, 6; see "
-        "lightning_maskprior/paper_results.py). Empty: no paper column.",
-    )
-    parser.add_argument("--args", type=list[str], default=[], help="CLI overrides given to every run.")
-    parser.add_argument("--test", type=bool, default=True,
-        help="Run `maskprior test` on the final checkpoint after each fit.")
-    parser.add_argument("--out_dir", type=str | None, default=None,
-        help="Where runs and tables go (default: runs/study/<study file name>). One study at a time per "
-             "directory: a second one fails naming the host and process that hold <out_dir>/.study.lock.")
-    parser.add_argument("--parallel", type=int, default=1, help="How many runs at a time (at most).")
-    parser.add_argument(
-        "--gpus_per_run", type=int | None, default=None,
-        help="CUDA devices per run (local launcher: default 1 when CUDA is present, else 0). Concurrent runs get "
-        "disjoint devices through CUDA_VISIBLE_DEVICES; with 0 a run sees none.",
-    )
-    parser.add_argument(
-        "--threads_per_run", type=int | None, default=None,
-        help="OMP_NUM_THREADS of each run (default: CPU cores / parallel, at most an OMP_NUM_THREADS you set).",
-    )
-    parser.add_argument("--retry_failed", type=bool, default=True, help="Rerun runs that failed last time.")
-    parser.add_argument(
-        "--replace_out_dir", type=bool, default=False,
-        help="Run even if out_dir holds another study (another title or study file): its runs that differ from this "
-        "study's are deleted and redone. Without it such an out_dir is refused, naming the study it holds.",
-    )
-    parser.add_argument(
-        "--results_from", type=list[str] | str | None, default=None,
-        help="A result directory of this study made elsewhere (e.g. a committed docs/results/<name>, or an out_dir "
-        "on another machine), or a list of them ('[dir1, dir2]'): each finished row there whose fingerprint (fit "
-        "command and config contents, without paths) is the one a run here would have stands for that run, which "
-        "is not run; its row, curves and maps go into this out_dir's result files (from the first directory that "
-        "has it). A long grid continues this way from its data files alone, and studies run in parts (by task, "
-        "by seed) join into one table.",
-    )
-    parser.add_argument(
-        "--launcher", type=str, default="local",
-        help="What executes each run's cell (python -m lightning_maskprior.study.cell <run_dir>). local: a child "
-        "process of the study (the default; 'subprocess' is its old name). inprocess: in this process, one at a "
-        "time (for debugging and tests). slurm: a SLURM job per run (submitit). ray: a Ray task per run.",
-    )
-    parser.add_argument(
-        "--launcher_options", type=dict[str, Any] | None, default=None,
-        help="The launcher's own settings (e.g. a SLURM partition and time limit); see the launcher's module.",
-    )
-    parser.add_argument(
-        "--slurm", type=dict[str, Any] | None, default=None,
-        help="Settings of launcher slurm (used when launcher is slurm; launcher_options override them): cluster "
-        "(slurm, or local: submitit's LocalExecutor here), partition, gpus_per_node, cpus_per_task, mem_gb, time "
-        "(minutes), array_parallelism, job_name, log_folder (default <out_dir>/submitit), additional_parameters "
-        "(extra #SBATCH options), setup (shell lines), signal_delay_s, max_num_timeout. See the docs' guide "
-        "\"DDP and clusters\".",
-    )
-    parser.add_argument(
-        "--ray", type=dict[str, Any] | None, default=None,
-        help="Settings of launcher ray (used when launcher is ray): address (null: a Ray instance here; auto; "
-        "ray://<head>:10001), num_cpus and num_gpus per run, max_retries (after a lost worker or node), "
-        "runtime_env. The run directories must be on a filesystem every node sees. See the docs' guide "
-        "\"DDP and clusters\".",
-    )
+    add_study_arguments(parser)
     parser.add_argument("--dry_run", type=bool, default=False,
         help="Validate the study, parse every run's full fit command (a misspelled option fails here) and print "
         "the commands, each marked finished, kept from results_from or to run; run nothing.")
@@ -174,6 +88,9 @@ def build_parser():
     return parser
 
 
+def study_options(cfg: Any) -> dict[str, Any]:
+    """The study file's options in a parsed ``maskprior study`` command line (without the command's own)."""
+    return {k: v for k, v in cfg.as_dict().items() if k not in ("config", "dry_run", "table_only")}
 
 
 def _duration(seconds: float) -> str:
@@ -201,7 +118,7 @@ def check_out_dir_owner(study: Study) -> None:
     this study would run there), unless replace_out_dir: running there would delete those finished runs wherever
     their commands differ. A study.json is written at once otherwise, so the study's own runs are vouched for
     from its first one."""
-    path = study.out_dir / STUDY_FILE
+    path = study.out_dir / ResultDir.STUDY
     if study.replace_out_dir:
         return
     try:
@@ -220,7 +137,8 @@ def check_out_dir_owner(study: Study) -> None:
         if others:
             raise StudyError(
                 f"out_dir {study.out_dir} holds {len(others)} run director{'y' if len(others) == 1 else 'ies'} "
-                f"(e.g. {others[0].relative_to(study.out_dir)}) that no readable {STUDY_FILE} vouches for ({problem}); "
+                f"(e.g. {others[0].relative_to(study.out_dir)}) that no readable {ResultDir.STUDY} vouches for "
+                f"({problem}); "
                 "running there could delete another study's finished runs. Expected an out_dir of this study's own "
                 "(--out_dir), or --replace_out_dir true to replace them"
             )
@@ -317,23 +235,23 @@ def _run_study(study: Study, launcher: Launcher, log=print) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     failed = write_outputs(study, plots=True)
-    log(f"done in {_duration(time.time() - start)}: {study.out_dir / 'table.md'}")
+    log(f"done in {_duration(time.time() - start)}: {study.out_dir / ResultDir.TABLE}")
     if failed:
-        log(f"{failed} run(s) failed; their errors are in table.md and <run>/result.json")
+        log(f"{failed} run(s) failed; their errors are in {ResultDir.TABLE} and <run>/{StudyRunDir.RESULT}")
     return failed
 
 
 def main(argv: list[str] | None = None) -> None:
     """``maskprior study``: parse, validate the whole study, then run it."""
-    parser = build_parser()
-    cfg = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    with field_docstrings():  # --tasks.help and the like explain the entries' keys
+        parser = build_parser()
+        cfg = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     files = [p for p in (cfg.get("config") or []) if p is not None]
     path = Path(str(files[-1])) if files else None
     if path is None and not cfg.get("tasks"):
         parser.error("give a study file: maskprior study -c configs/study/<name>.yaml (see --help)")
-    options = {k: v for k, v in cfg.as_dict().items() if k not in ("config", "dry_run", "table_only")}
     try:
-        study = load_study(options, path)
+        study = load_study(study_options(cfg), path)
         if cfg.dry_run or (not cfg.table_only and any(state == "to run" for _, state in run_states(study))):
             # Every run's full fit command, checked before any cell starts (a bad option fails here, not in each
             # cell after the first ones ran).
@@ -350,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.table_only:
         study.out_dir.mkdir(parents=True, exist_ok=True)
         write_outputs(study)
-        print(study.out_dir / "table.md")
+        print(study.out_dir / ResultDir.TABLE)
         return
     try:
         failed = run_study(study)
@@ -358,6 +276,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(128 + int(err.args[0] if err.args else signal.SIGINT))  # 143 after SIGTERM, 130 after SIGINT
     except StudyError as err:
         parser.error(str(err))
-    print("\n" + (study.out_dir / "table.md").read_text())
+    print("\n" + (study.out_dir / ResultDir.TABLE).read_text())
     if failed:
         sys.exit(1)

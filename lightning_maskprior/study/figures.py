@@ -21,8 +21,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
+from lightning_maskprior.metrics import HALF_LIFE, OPEN_MASS, PERSISTENCE, SCORE
 from lightning_maskprior.study import paper_results
-from lightning_maskprior.study.results import HALF_LIFE, SCORE, ResultSet, TaskInfo, reference_tag
+from lightning_maskprior.study.results import ResultDir, ResultSet, TaskInfo, reference_tag
 from lightning_maskprior.study.tables import method_label
 
 PANEL = (4.2, 3.0)  # inches per panel
@@ -57,7 +58,7 @@ def _is_log(tag: str) -> bool:
 
 
 def _label(tag: str) -> str:
-    return LABELS.get(tag, LABELS.get(tag.removeprefix("persistence/"), tag))
+    return LABELS.get(tag, LABELS.get(tag.removeprefix(f"{PERSISTENCE}/"), tag))
 
 
 def _series(result: ResultSet, task: str, init: str, tag: str) -> list[list[tuple[int, float | None, float]]]:
@@ -175,7 +176,7 @@ def _paper_final(result: ResultSet, task: TaskInfo, init: str, tag: str) -> floa
 
 def persistence_figure(result: ResultSet) -> Figure | None:
     """Attention mass on the structure over training, every init, one panel per task (the paper's thesis)."""
-    tag = "persistence/open_mass"
+    tag = OPEN_MASS
     tasks = [t for t in result.tasks if any(k[0] == t.name and k[3] == tag for k in result.curves)]
     if not tasks:
         return None
@@ -193,7 +194,7 @@ def persistence_figure(result: ResultSet) -> Figure | None:
 def persistence_detail(result: ResultSet, task: TaskInfo) -> Figure | None:
     """Every persistence summary of one task over training, and each run's half-life."""
     present = {k[3] for k in result.curves if k[0] == task.name}
-    tags = [f"persistence/{n}" for n in PERSISTENCE_ORDER if f"persistence/{n}" in present]
+    tags = [f"{PERSISTENCE}/{n}" for n in PERSISTENCE_ORDER if f"{PERSISTENCE}/{n}" in present]
     if not tags:
         return None
     cols = 4
@@ -345,7 +346,7 @@ def figures(result: ResultSet) -> dict[str, Figure]:
 def write_figures(result: ResultSet, out_dir: Path) -> list[str]:
     """Save every figure as figures/<name>.png and .pdf under ``out_dir``; return the PNGs' relative paths.
     Figures of an earlier report that this one does not make are removed."""
-    folder = Path(out_dir) / "figures"
+    folder = Path(out_dir) / ResultDir.FIGURES
     made = figures(result)
     if folder.is_dir():
         for old in folder.glob("*"):
@@ -356,5 +357,5 @@ def write_figures(result: ResultSet, out_dir: Path) -> list[str]:
         folder.mkdir(parents=True, exist_ok=True)
         fig.savefig(folder / f"{name}.png", dpi=PNG_DPI)
         fig.savefig(folder / f"{name}.pdf", metadata={"CreationDate": None, "ModDate": None})
-        written.append(f"figures/{name}.png")
+        written.append(f"{ResultDir.FIGURES}/{name}.png")
     return written

@@ -23,10 +23,7 @@ from pathlib import Path
 
 from lightning_maskprior.run.errors import bad_input
 from lightning_maskprior.study.results import (
-    CURVES_FILE,
-    MAPS_FILE,
-    RESULTS_FILE,
-    STUDY_FILE,
+    ResultDir,
     ResultFileError,
     collect,
     load,
@@ -58,8 +55,8 @@ def figure_names(path: Path, tasks: list[str]) -> list[str]:
                 return (1, tasks.index(task), rank)
         return (2, 0, name)
 
-    names = [p.stem for p in (Path(path) / "figures").glob("*.png")]
-    return [f"figures/{n}.png" for n in sorted(names, key=order)]
+    names = [p.stem for p in (Path(path) / ResultDir.FIGURES).glob("*.png")]
+    return [f"{ResultDir.FIGURES}/{n}.png" for n in sorted(names, key=order)]
 
 
 def render(path: str | Path, out_dir: str | Path | None = None, figures: bool = True) -> Path:
@@ -69,7 +66,7 @@ def render(path: str | Path, out_dir: str | Path | None = None, figures: bool = 
     out = Path(out_dir) if out_dir is not None else path
     out.mkdir(parents=True, exist_ok=True)
     if out.resolve() != path.resolve():
-        for name in (STUDY_FILE, RESULTS_FILE, CURVES_FILE, MAPS_FILE):
+        for name in ResultDir.DATA:
             if (path / name).is_file():
                 shutil.copyfile(path / name, out / name)
             else:
@@ -81,8 +78,8 @@ def render(path: str | Path, out_dir: str | Path | None = None, figures: bool = 
         write_figures(result, out)
     tasks = [t.name for t in result.tasks]
     write_csvs(result, out)
-    (out / "table.md").write_text(markdown(result, figure_names(out, tasks)))
-    return out / "table.md"
+    (out / ResultDir.TABLE).write_text(markdown(result, figure_names(out, tasks)))
+    return out / ResultDir.TABLE
 
 
 def readme_section(path: Path, readme: Path) -> str:
@@ -157,9 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.out_dir is not None and len(args.result_dirs) != 1:
         parser.error(f"--out_dir takes one RESULT_DIR, got {len(args.result_dirs)}")
     for path in args.result_dirs:
-        if not (path / STUDY_FILE).is_file() or not (path / RESULTS_FILE).is_file():
-            parser.error(f"{path} is not a study's result directory: it needs {STUDY_FILE} and {RESULTS_FILE} (a "
-                         "study writes both into its out_dir)")
+        if not ResultDir.holds_results(path):
+            parser.error(f"{path} is not a study's result directory: it needs {ResultDir.STUDY} and "
+                         f"{ResultDir.RESULTS} (a study writes both into its out_dir)")
     if args.readme is not None and not args.readme.is_file():
         parser.error(f"--readme {args.readme}: no such file")
     try:
@@ -175,12 +172,13 @@ def _report(args: argparse.Namespace) -> None:
         if args.check:
             result = load(path, maps=False)
             expected = markdown(result, figure_names(path, [t.name for t in result.tasks]))
-            table = path / "table.md"
+            table = path / ResultDir.TABLE
             if not table.is_file() or table.read_text() != expected:
                 stale.append(str(table))
             continue
         table = render(path, args.out_dir, figures=not args.no_figures)
-        note = "" if (table.parent / CURVES_FILE).is_file() else " (tables only: no curves.csv.gz, so no curve figures)"
+        curves = (table.parent / ResultDir.CURVES).is_file()
+        note = "" if curves else f" (tables only: no {ResultDir.CURVES}, so no curve figures)"
         print(f"{table}{note}")
     if args.readme is not None:
         dirs = [args.out_dir] if args.out_dir is not None else args.result_dirs

@@ -29,17 +29,36 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_maskprior.metrics import HALF_LIFE, PERSISTENCE, SCORE
 from lightning_maskprior.run import atomic
 from lightning_maskprior.run.config_files import option_values
 from lightning_maskprior.run.rundir import StudyRunDir
 from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study.spec import Metric, Run, Study
 
-STUDY_FILE, RESULTS_FILE, CURVES_FILE, MAPS_FILE = "study.json", "results.csv", "curves.csv.gz", "attention_maps.npz"
-SCORE, HALF_LIFE = "persistence/score", "persistence/half_life"
 MAX_POINTS = 120  # per (run, tag) series in curves.csv.gz: enough for a smooth line, small enough to commit
 FRACTION_OPTION = "--data.init_args.train_fraction"
-SUMMARY = re.compile(r"^persistence/[^/]+$")  # the means over layers and heads, not per-head series
+SUMMARY = re.compile(rf"^{PERSISTENCE}/[^/]+$")  # the means over layers and heads, not per-head series
+
+
+class ResultDir:
+    """A study's result directory, by the names of its files: the data files ``collect`` writes and ``load`` reads,
+    and what the report makes of them (tables.py, figures.py, report.py)."""
+
+    STUDY = "study.json"
+    RESULTS = "results.csv"
+    CURVES = "curves.csv.gz"
+    MAPS = "attention_maps.npz"
+    DATA = (STUDY, RESULTS, CURVES, MAPS)
+    TABLE = "table.md"
+    TABLE_CSV = "table.csv"
+    PER_SEED = "per_seed.csv"
+    FIGURES = "figures"
+
+    @classmethod
+    def holds_results(cls, path: Path) -> bool:
+        """Whether ``path`` holds the two files a report needs (study.json and results.csv)."""
+        return (Path(path) / cls.STUDY).is_file() and (Path(path) / cls.RESULTS).is_file()
 
 
 @dataclass
@@ -114,7 +133,7 @@ def study_info(study: Study) -> dict[str, Any]:
         "paper_tables": list(study.paper_tables),
         "tasks": [{"name": t.name, "paper": t.paper, "train_fraction": train_fraction([*study.args, *t.args]),
                    "metrics": [asdict(m) for m in t.metrics], "curves": list(t.curves)} for t in study.tasks],
-        "inits": [{"name": i.name, "label": i.label, "variant": init_variant(i.configs, i.args)} for i in study.inits],
+        "inits": [{"name": i.name, "label": i.label, "variant": init_variant(i.config, i.args)} for i in study.inits],
     }
 
 
@@ -128,13 +147,13 @@ def collect(study: Study, curves: bool = True) -> None:
     ``curves`` also curves.csv.gz and attention_maps.npz (these read every run's TensorBoard events: slower)."""
     out = study.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(out / STUDY_FILE, json.dumps(study_info(study), indent=1) + "\n")
+    atomic.write_text(out / ResultDir.STUDY, json.dumps(study_info(study), indent=1) + "\n")
     # results_from is read before out_dir's files are rewritten: it may be out_dir itself
     previous = load_previous(study, maps=curves)
     kept = kept_rows(study, previous)
     results = [(run, _current(run)) for run in study.runs()]
     tags = sorted({m.tag for t in study.tasks for m in t.metrics} | {SCORE, HALF_LIFE})
-    with atomic.atomic_path(out / RESULTS_FILE) as tmp, open(tmp, "w", newline="") as f:
+    with atomic.atomic_path(out / ResultDir.RESULTS) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["task", "init", "seed", "status", "seconds", "precision", *tags, "error", "fingerprint"])
         for run, result in results:
@@ -155,8 +174,8 @@ def collect(study: Study, curves: bool = True) -> None:
     if curves:
         finished = [(run, result) for run, result in results if result is not None and result.get("status") == "ok"]
         from_files = [run for run, result in results if result is None and run.name in kept]
-        _write_curves(out / CURVES_FILE, finished, previous, from_files)
-        _write_maps(out / MAPS_FILE, [run for run, _ in finished if run.seed == study.seeds[0]], previous,
+        _write_curves(out / ResultDir.CURVES, finished, previous, from_files)
+        _write_maps(out / ResultDir.MAPS, [run for run, _ in finished if run.seed == study.seeds[0]], previous,
                     [run for run in from_files if run.seed == study.seeds[0]])
 
 
@@ -255,7 +274,7 @@ def _write_curves(path: Path, runs: list[tuple[Run, dict]], previous: ResultSet 
         for tag in kept_tags(set(scalars), run.task.curves):
             # The persistence callback logs at the global step (after that many updates); Lightning logs a batch's
             # metrics at the step before its update. Epochs elapsed are therefore step / spe and (step + 1) / spe.
-            shift = 0 if tag.startswith("persistence/") else 1
+            shift = 0 if tag.startswith(f"{PERSISTENCE}/") else 1
             for step, value in downsample(scalars[tag]):
                 epoch = "" if per_epoch is None else f"{(step + shift) / per_epoch:.4g}"
                 writer.writerow([run.task.name, run.init.label, run.seed, tag, step, epoch, f"{value:.6g}"])
@@ -391,29 +410,29 @@ def load(path: str | Path, maps: bool = True) -> ResultSet:
 
     A data file that is cut short, corrupt or unreadable raises ResultFileError naming it."""
     path = Path(path)
-    for name in (STUDY_FILE, RESULTS_FILE):
+    for name in (ResultDir.STUDY, ResultDir.RESULTS):
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path} is not a study's result directory: it has no {name} (a study writes "
                                     "it; `maskprior study -c FILE --table_only true` rewrites it from the runs)")
-    info = _study_info(path / STUDY_FILE)
+    info = _study_info(path / ResultDir.STUDY)
     tasks = [TaskInfo(t["name"], t.get("paper", t["name"]), [Metric(**m) for m in t["metrics"]],
                       list(t.get("curves", [])), t.get("train_fraction")) for t in info["tasks"]]
     inits = [InitInfo(i["name"], i.get("label", i["name"]), i.get("variant")) for i in info["inits"]]
-    runs = _results_rows(path / RESULTS_FILE, info)
+    runs = _results_rows(path / ResultDir.RESULTS, info)
     result = ResultSet(path, info["title"], list(info["seeds"]), [str(t) for t in info.get("paper_tables", [])],
                        tasks, inits, runs)
-    if (path / CURVES_FILE).is_file():
-        result.curves = _curves(path / CURVES_FILE)
-    if maps and (path / MAPS_FILE).is_file():
+    if (path / ResultDir.CURVES).is_file():
+        result.curves = _curves(path / ResultDir.CURVES)
+    if maps and (path / ResultDir.MAPS).is_file():
         import numpy as np
 
         result.maps = {}
         try:
-            with np.load(path / MAPS_FILE) as data:
+            with np.load(path / ResultDir.MAPS) as data:
                 for key in data.files:
                     task, init, name = key.split("/", 2)
                     result.maps.setdefault((task, init), {})[name] = data[key]
         except (OSError, ValueError, EOFError) as err:
-            raise ResultFileError(f"{path / MAPS_FILE}: cannot read the attention maps ({err}): cut short or "
+            raise ResultFileError(f"{path / ResultDir.MAPS}: cannot read the attention maps ({err}): cut short or "
                                   "corrupt") from None
     return result

@@ -7,13 +7,15 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import io
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning_maskprior.run import config_files
 from lightning_maskprior.run.rundir import StudyRunDir
@@ -26,15 +28,31 @@ class StudyError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------- the study file
+# Each option of a study file is declared once, below: a typed field with its docstring. jsonargparse reads them for
+# the parsing (``study_parser``), ``maskprior study --help`` and ``--<option>.help``; the API docs read them too.
+# ``load_study`` adds what a type cannot say (paths found from the study file, unique names, registered inits) and
+# fills each entry's defaults that depend on others (a task's name from its config, a metric's label from its tag).
+# An entry's required keys have the default None, so a mapping without one reaches load_study, which names it.
+Better = Literal["higher", "lower", "none"]
+
+
 @dataclass
 class Metric:
-    tag: str  # TensorBoard tag read from the run, e.g. test/acc
-    label: str  # column name in the table
-    scale: float = 1.0  # multiply before printing (100 for accuracies in %)
-    digits: int = 4  # decimals printed
-    paper: str | None = None  # key of the paper's number in paper_results.TABLES ("acc", "mse", ...)
-    better: str = "higher"  # which way is better ("higher", "lower"; "none": a count, nothing bold): the table
-    # bolds the best mean per task
+    """A number in each cell of the table: a TensorBoard tag's last value in the run."""
+
+    tag: str | None = None
+    """TensorBoard tag read from the run, e.g. test/acc (required)."""
+    label: str | None = None
+    """Column text (default: the tag)."""
+    scale: float = 1.0
+    """Multiply before printing (100 for accuracies in %)."""
+    digits: int = 4
+    """Decimals printed."""
+    paper: str | None = None
+    """The metric's key in the paper's table (paper_results.TABLES: acc, mse, seq_acc, ...)."""
+    better: Better | None = None
+    """Which way is better: the table bolds the best mean per task (none: a count, nothing bold). Default: lower
+    for errors (MSE, loss, perplexity) and costs (seconds), higher for the rest."""
 
 
 LOWER_IS_BETTER = ("mse", "loss", "ppl", "perplexity", "error", "drift", "seconds")
@@ -47,52 +65,177 @@ def default_better(tag: str) -> str:
 
 @dataclass
 class TaskEntry:
-    name: str
-    configs: list[Path]
-    args: list[str]
-    metrics: list[Metric]
-    curves: list[str]
-    paper: str  # task key in paper_results.TABLES
+    """A row of the table: a task's configs, its own overrides and what to report of it."""
+
+    config: list[Path] | Path | None = None
+    """The task's config file(s), composed like repeated -c (required). Relative paths are looked up from the
+    working directory, then from the study file's directory and its parents, then among the packaged configs."""
+    name: str | None = None
+    """Row name and directory (default: the first config's file name)."""
+    args: list[str | int | float] = field(default_factory=list)
+    """Extra CLI overrides for this task, e.g. [--trainer.max_epochs, 2]."""
+    metrics: list[Metric | str | dict[str, Any]] | None = None
+    """This row's metrics, replacing the study's."""
+    curves: list[str] | None = None
+    """This row's curve tags, replacing the study's."""
+    paper: str | None = None
+    """The task's key in the paper's tables (default: name)."""
 
 
 @dataclass
 class InitEntry:
-    name: str  # the registered init method (model.init)
-    label: str  # its column / directory name
-    configs: list[Path]
-    args: list[str]
+    """A column of the table: an init method, and what the study adds to its task defaults."""
+
+    name: str | None = None
+    """The init method (--model.init): a registered name or module.path:function (required)."""
+    label: str | None = None
+    """Column and directory name (default: name)."""
+    config: list[Path] | Path | None = None
+    """Init configs to compose, e.g. configs/init/mask.yaml (looked up as a task's)."""
+    args: list[str | int | float] = field(default_factory=list)
+    """Extra overrides, e.g. [--model.init_options, "{open_value: 5, closed_value: -5}"]."""
 
 
 @dataclass
 class Study:
-    path: Path | None
-    title: str
-    tasks: list[TaskEntry]
-    inits: list[InitEntry]
-    seeds: list[int]
-    out_dir: Path
-    test: bool = True
-    parallel: int = 1
-    threads_per_run: int = 1
+    """A grid of tasks x init methods x seeds: every key of a study file (``maskprior study -c <file>``)."""
+
+    title: str | None = None
+    """Heading of table.md (default: the file name)."""
+    tasks: list[TaskEntry | Path | dict[str, Any]] = field(default_factory=list)
+    """The table's rows: task config paths (each row named after its file) or mappings of name, config, args,
+    metrics, curves and paper (``--tasks.help TaskEntry`` explains each)."""
+    inits: list[InitEntry | str | dict[str, Any]] = field(default_factory=list)
+    """The table's columns: init methods (registered ones, or module.path:function; checked before any run) or
+    mappings of name, label, config and args (``--inits.help InitEntry`` explains each). Each run gets
+    --model.init <name>."""
+    seeds: list[int] = field(default_factory=list)
+    """Seeds; each run passes its seed to every option in seed_args."""
     seed_args: list[str] = field(default_factory=lambda: ["--seed_everything"])
-    args: list[str] = field(default_factory=list)
-    paper_tables: list[str] = field(default_factory=list)
+    """CLI options that receive the run's seed (e.g. also --data.init_args.seed to vary the data order)."""
+    metrics: list[Metric | str | dict[str, Any]] = field(default_factory=list)
+    """Numbers in each cell: TensorBoard tags (the run's last value) or mappings of tag, label, scale, digits, paper
+    and better (``--metrics.help Metric`` explains each). Tasks may override them."""
+    curves: list[str] = field(default_factory=lambda: ["val/acc"])
+    """Tags plotted over training per init method (each seed faint, the mean bold), one figure per task
+    (figures/<task>_curves.png and .pdf). The persistence/ summaries are kept and drawn too whenever the runs
+    logged them. Their points go to curves.csv.gz, from which `maskprior report` redraws every figure."""
+    paper_tables: list[str | int] = field(default_factory=list)
+    """The paper's tables to put beside ours, searched in order (1, 2, 3, 4, 6; see
+    lightning_maskprior/study/paper_results.py). Empty: no paper column."""
+    args: list[str | int | float] = field(default_factory=list)
+    """CLI overrides given to every run."""
+    test: bool = True
+    """Run `maskprior test` on the final checkpoint after each fit."""
+    out_dir: Path | None = None
+    """Where runs and tables go (default: runs/study/<study file name>). One study at a time per directory: a
+    second one fails naming the host and process that hold <out_dir>/.study.lock."""
+    parallel: int = 1
+    """How many runs at a time (at most)."""
+    gpus_per_run: int | None = None
+    """CUDA devices per run (local launcher: default 1 when CUDA is present, else 0). Concurrent runs get disjoint
+    devices through CUDA_VISIBLE_DEVICES; with 0 a run sees none."""
+    threads_per_run: int | None = None
+    """OMP_NUM_THREADS of each run (default: CPU cores / parallel, at most an OMP_NUM_THREADS you set)."""
     retry_failed: bool = True
-    replace_out_dir: bool = False  # run in an out_dir that holds another study's runs (they are redone)
-    results_from: list[Path] = field(default_factory=list)  # result directories whose finished rows stand for
-    # runs not run here (the first directory with a row of the run's fingerprint gives it)
+    """Rerun runs that failed last time."""
+    replace_out_dir: bool = False
+    """Run even if out_dir holds another study (another title or study file): its runs that differ from this
+    study's are deleted and redone. Without it such an out_dir is refused, naming the study it holds."""
+    results_from: list[Path] | Path | None = None
+    """A result directory of this study made elsewhere (e.g. a committed docs/results/<name>, or an out_dir on
+    another machine), or a list of them ('[dir1, dir2]'): each finished row there whose fingerprint (fit command
+    and config contents, without paths) is the one a run here would have stands for that run, which is not run;
+    its row, curves and maps go into this out_dir's result files (from the first directory that has it). A long
+    grid continues this way from its data files alone, and studies run in parts (by task, by seed) join into one
+    table."""
     launcher: str = "local"
-    gpus_per_run: int | None = None  # None: the launcher's default (local: 1 when CUDA is present, else 0)
-    launcher_options: dict[str, Any] = field(default_factory=dict)  # the launcher's own settings
+    """What executes each run's cell (python -m lightning_maskprior.study.cell <run_dir>). local: a child process
+    of the study. inprocess: in this process, one at a time (for debugging and tests). slurm: a SLURM job per run
+    (submitit). ray: a Ray task per run."""
+    launcher_options: dict[str, Any] | None = None
+    """The launcher's own settings (e.g. a SLURM partition and time limit); they override the slurm or ray
+    mapping. See the launcher's module."""
+    slurm: dict[str, Any] | None = None
+    """Settings of launcher slurm (used when launcher is slurm): cluster (slurm, or local: submitit's
+    LocalExecutor here), partition, gpus_per_node, cpus_per_task, mem_gb, time (minutes), array_parallelism,
+    job_name, log_folder (default <out_dir>/submitit), additional_parameters (extra #SBATCH options), setup (shell
+    lines), signal_delay_s, max_num_timeout. See the docs' guide "DDP and clusters"."""
+    ray: dict[str, Any] | None = None
+    """Settings of launcher ray (used when launcher is ray): address (null: a Ray instance here; auto;
+    ray://<head>:10001), num_cpus and num_gpus per run, max_retries (after a lost worker or node), runtime_env.
+    The run directories must be on a filesystem every node sees. See the docs' guide "DDP and clusters"."""
+    path: Path | None = None
+    """The study file (None for a study given as a mapping); not an option of the file."""
+
+    # After load_study: tasks, inits and metrics are entries with every default filled (TaskEntry.config and
+    # InitEntry.config lists of absolute paths), paths are absolute, paper_tables strings, args strings,
+    # threads_per_run set, and launcher_options hold the slurm or ray mapping too.
 
     def runs(self) -> list[Run]:
         """Every cell, seed by seed: a study stopped early has the first seeds of every task and init."""
         return [Run(self, task, init, seed) for seed in self.seeds for task in self.tasks for init in self.inits]
+_documenting = 0
+
+
+@contextlib.contextmanager
+def field_docstrings():
+    """Within it, jsonargparse reads the docstring under each field as the option's help. The setting is the
+    process's: left on, the fit's parser would read the source of every class it adds (measured 4x slower)."""
+    from jsonargparse import set_parsing_settings
+
+    global _documenting
+    _documenting += 1
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    try:
+        yield
+    finally:
+        _documenting -= 1
+        if not _documenting:
+            set_parsing_settings(docstring_parse_attribute_docstrings=False)
+
+
+def add_study_arguments(parser: Any) -> None:
+    """Every option of a study file (the fields of :class:`Study`) added to ``parser``, each with its docstring as
+    help; ``--tasks.help``, ``--inits.help`` and ``--metrics.help`` explain the entries' keys (parsed within
+    ``field_docstrings``)."""
+    with field_docstrings():
+        parser.add_class_arguments(Study, as_group=False, skip={"path"})
+
+
+@functools.cache
+def _parser(of: type) -> Any:
+    """A parser of the fields of ``of`` (Study or an entry) that raises instead of exiting: load_study's types."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    if of is Study:
+        add_study_arguments(parser)
+    else:
+        parser.add_class_arguments(of, as_group=False)
+    return parser
+
+
+def _parse(of: type, values: dict, where: str | None) -> dict:
+    """``values`` typed and completed by the fields of ``of``; a StudyError naming ``where`` and the key."""
+    from jsonargparse import ArgumentError
+
+    from lightning_maskprior.run.errors import one_line
+
+    if where is not None:  # an entry: its unknown keys named beside the keys it has
+        known = {f.name for f in fields(of)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise StudyError(f"{where}: unknown keys {unknown}; expected some of {sorted(known)}")
+    try:
+        return _parser(of).parse_object(copy.deepcopy(values)).as_dict()  # jsonargparse rewrites what it is given
+    except ArgumentError as err:
+        raise StudyError(f"{where}: {one_line(str(err))}" if where else one_line(str(err))) from None
 
 
 def _resolve_path(value: Any, where: str, bases: list[Path]) -> Path:
-    if not isinstance(value, str | os.PathLike) or not str(value):
-        raise StudyError(f"{where}: config must be a path, got {value!r}")
+    if not str(value):
+        raise StudyError(f"{where}: config must be a path, got {str(value)!r}")
     path = Path(value).expanduser()
     candidates = [path] if path.is_absolute() else [base / path for base in bases]
     for candidate in candidates:
@@ -111,26 +254,14 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def _check_keys(entry: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(entry) - allowed)
-    if unknown:
-        raise StudyError(f"{where}: unknown keys {unknown}; expected some of {sorted(allowed)}")
-
-
-def _check_args(value: Any, where: str) -> list[str]:
-    args = _as_list(value)
-    if not all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in args):
-        raise StudyError(f"{where}: args must be a list of strings, got {value!r}")
-    return [str(a) for a in args]
-
-
 def _safe_name(name: str, where: str) -> str:
     if not name or not re.fullmatch(r"[A-Za-z0-9_.+=-]+", name) or name in (".", ".."):
         raise StudyError(f"{where}: name {name!r} must be non-empty letters, digits, '_', '-', '.', '+', '='")
     return name
 
 
-def _parse_metrics(values: list, where: str) -> list[Metric]:
+def _metrics(values: list, where: str) -> list[Metric]:
+    """Each metric as a Metric with its label and better filled."""
     metrics = []
     for i, value in enumerate(values):
         at = f"{where}[{i}]"
@@ -139,180 +270,123 @@ def _parse_metrics(values: list, where: str) -> list[Metric]:
         if not isinstance(value, dict) or not isinstance(value.get("tag"), str) or "/" not in value["tag"]:
             raise StudyError(f"{at}: a metric is a TensorBoard tag like 'test/acc' or a mapping with one, "
                              f"got {value!r}")
-        _check_keys(value, {"tag", "label", "scale", "digits", "paper", "better"}, at)
-        try:
-            scale, digits = float(value.get("scale", 1.0)), int(value.get("digits", 4))
-        except (TypeError, ValueError) as err:
-            raise StudyError(f"{at}: scale must be a number and digits an integer: {err}") from err
-        if digits < 0:
-            raise StudyError(f"{at}: digits must be >= 0, got {digits}")
-        better = value.get("better", default_better(value["tag"]))
-        if better not in ("higher", "lower", "none"):
-            raise StudyError(f"{at}: better must be 'higher', 'lower' or 'none', got {better!r}")
-        metrics.append(Metric(value["tag"], str(value.get("label", value["tag"])), scale, digits, value.get("paper"),
-                              better))
+        metric = Metric(**_parse(Metric, value, at))
+        if metric.digits < 0:
+            raise StudyError(f"{at}: digits must be >= 0, got {metric.digits}")
+        metric.label = metric.label or metric.tag
+        metric.better = metric.better or default_better(metric.tag)
+        metrics.append(metric)
     return metrics
 
 
-def load_study(cfg: Any, path: Path | None = None, known_inits: set[str] | None = None) -> Study:
-    """Validate a parsed study (namespace or dict) and resolve its paths; raise StudyError naming the entry.
-
-    ``known_inits``: the init methods that exist (default: lightning_maskprior.inits.INIT_METHODS, read now,
-    so methods registered by any installed code count); one named by import path (``my_pkg.inits:my_init``) is
-    imported and checked against the init contract.
-    """
-    cfg = cfg.as_dict() if hasattr(cfg, "as_dict") else dict(cfg)
-    if known_inits is None:
-        import lightning_maskprior.module  # noqa: F401  (imports every module that registers inits)
-        from lightning_maskprior.inits import INIT_METHODS
-
-        known_inits = set(INIT_METHODS)
+def load_study(cfg: Any, path: Path | None = None) -> Study:
+    """The study ``cfg`` (a study file's options: a mapping or a parsed namespace) describes, typed by the fields of
+    :class:`Study`, its paths resolved (against the working directory, then ``path``'s directory and its parents)
+    and checked as a whole before anything runs; a StudyError naming the entry otherwise."""
+    study = Study(**_parse(Study, cfg.as_dict() if hasattr(cfg, "as_dict") else dict(cfg), None))
     bases = [Path.cwd()]
     if path is not None:
-        bases += [Path(path).resolve().parent, *Path(path).resolve().parent.parents]
+        study.path = Path(path).resolve()
+        bases += [study.path.parent, *study.path.parent.parents]
     name = Path(path).stem if path is not None else "study"
+    study.title = study.title or name
+    study.out_dir = Path(study.out_dir or Path("runs") / "study" / name).expanduser().resolve()
 
-    seeds = cfg.get("seeds") or []
-    if not seeds:
+    if not study.seeds:
         raise StudyError("seeds: give at least one seed, e.g. seeds: [0, 1, 2]")
-    for i, seed in enumerate(seeds):
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    for i, seed in enumerate(study.seeds):
+        if seed < 0:
             raise StudyError(f"seeds[{i}]: a seed is a non-negative integer, got {seed!r}")
-    if len(set(seeds)) != len(seeds):
-        raise StudyError(f"seeds: {seeds} repeats a seed")
-    seed_args = _check_args(cfg.get("seed_args", ["--seed_everything"]), "seed_args")
-    if not all(a.startswith("--") for a in seed_args):
-        raise StudyError(f"seed_args: each entry is a CLI option like --seed_everything, got {seed_args}")
+    if len(set(study.seeds)) != len(study.seeds):
+        raise StudyError(f"seeds: {study.seeds} repeats a seed")
+    if not all(a.startswith("--") for a in study.seed_args):
+        raise StudyError(f"seed_args: each entry is a CLI option like --seed_everything, got {study.seed_args}")
+    study.args = [str(a) for a in study.args]
 
-    top_metrics = _parse_metrics(_as_list(cfg.get("metrics")), "metrics")
-    curves = [str(c) for c in _as_list(cfg.get("curves", ["val/acc"]))]
-    paper_tables = [str(t) for t in _as_list(cfg.get("paper_tables"))]
-    for i, table in enumerate(paper_tables):
+    study.metrics = _metrics(study.metrics, "metrics")
+    study.paper_tables = [str(t) for t in study.paper_tables]
+    for i, table in enumerate(study.paper_tables):
         if table not in paper_results.TABLES:
             raise StudyError(f"paper_tables[{i}]: the paper has no table {table!r} here; expected one of "
                              f"{sorted(paper_results.TABLES)}")
 
-    raw_tasks = cfg.get("tasks") or []
-    if not raw_tasks:
+    if not study.tasks:
         raise StudyError("tasks: give at least one task (a config path or a mapping with name and config)")
     tasks = []
-    for i, entry in enumerate(raw_tasks):
-        where = f"tasks[{i}]"
-        if isinstance(entry, str | os.PathLike):
-            entry = {"config": str(entry)}
-        if not isinstance(entry, dict):
-            raise StudyError(f"{where}: a task is a config path or a mapping, got {entry!r}")
+    for i, entry in enumerate(study.tasks):
+        entry = {"config": entry} if isinstance(entry, str | os.PathLike) else entry
         configs = _as_list(entry.get("config"))
         task_name = str(entry.get("name") or (Path(str(configs[0])).stem if configs else ""))
-        where = f"tasks[{i}] ({task_name})" if task_name else where
-        _check_keys(entry, {"name", "config", "args", "metrics", "curves", "paper"}, where)
+        where = f"tasks[{i}] ({task_name})" if task_name else f"tasks[{i}]"
+        task = TaskEntry(**_parse(TaskEntry, entry, where))
         if not configs:
             raise StudyError(f"{where}: no config given")
-        resolved = [_resolve_path(c, where, bases) for c in configs]
-        metrics = _parse_metrics(_as_list(entry["metrics"]), f"{where}.metrics") if "metrics" in entry else top_metrics
-        if not metrics:
+        task.name = _safe_name(task_name, where)
+        task.config = [_resolve_path(c, where, bases) for c in _as_list(task.config)]
+        task.args = [str(a) for a in task.args]
+        task.metrics = study.metrics if task.metrics is None else _metrics(task.metrics, f"{where}.metrics")
+        if not task.metrics:
             raise StudyError(f"{where}: no metrics to report; set metrics at the top level or in the task")
-        tasks.append(TaskEntry(
-            name=_safe_name(task_name, where),
-            configs=resolved,
-            args=_check_args(entry.get("args"), f"{where}.args"),
-            metrics=metrics,
-            curves=[str(c) for c in _as_list(entry.get("curves", curves))],
-            paper=str(entry.get("paper", task_name)),
-        ))
+        task.curves = study.curves if task.curves is None else task.curves
+        task.paper = task.paper or task.name
+        tasks.append(task)
+    study.tasks = tasks
     _check_unique([t.name for t in tasks], "tasks")
 
-    raw_inits = cfg.get("inits") or []
-    if not raw_inits:
+    if not study.inits:
         raise StudyError("inits: give at least one init method, e.g. inits: [default, mask]")
-    inits = []
-    for i, entry in enumerate(raw_inits):
-        where = f"inits[{i}]"
-        if isinstance(entry, str):
-            entry = {"name": entry}
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise StudyError(f"{where}: an init is a method name or a mapping with a name, got {entry!r}")
-        _check_keys(entry, {"name", "label", "config", "args"}, where)
-        where = f"inits[{i}] ({entry['name']})"
-        if entry["name"] not in known_inits:
-            from lightning_maskprior.plugins import is_import_path, resolve
+    import lightning_maskprior.module  # noqa: F401  (imports every module that registers inits)
+    from lightning_maskprior.inits import get_init
 
-            if not is_import_path(entry["name"]):
-                raise StudyError(f"{where}: unknown init method {entry['name']!r}; registered: {sorted(known_inits)}, "
-                                 "or module.path:function of your own")
-            try:  # an init method of your own, by import path: importable here, and of the init contract
-                resolve("init", entry["name"])
-            except ValueError as err:
-                raise StudyError(f"{where}: {err}") from None
-        label = str(entry.get("label", entry["name"].rpartition(":")[2]))  # my_pkg.inits:my_init -> my_init
-        inits.append(InitEntry(
-            name=entry["name"],
-            label=_safe_name(label, where),
-            configs=[_resolve_path(c, where, bases) for c in _as_list(entry.get("config"))],
-            args=_check_args(entry.get("args"), f"{where}.args"),
-        ))
+    inits = []
+    for i, entry in enumerate(study.inits):
+        entry = {"name": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry.get("name"), str):
+            raise StudyError(f"inits[{i}]: an init is a method name or a mapping with a name, got {entry!r}")
+        where = f"inits[{i}] ({entry['name']})"
+        init = InitEntry(**_parse(InitEntry, entry, where))
+        try:
+            get_init(init.name)  # a registered method, or module.path:function of the user's own
+        except ValueError as err:
+            raise StudyError(f"{where}: {err}") from None
+        init.label = _safe_name(init.label or init.name, where)
+        init.config = [_resolve_path(c, where, bases) for c in _as_list(init.config)]
+        init.args = [str(a) for a in init.args]
+        inits.append(init)
+    study.inits = inits
     _check_unique([init.label for init in inits], "inits (labels)")
 
-    parallel = cfg.get("parallel", 1)
-    if not isinstance(parallel, int) or parallel < 1:
-        raise StudyError(f"parallel: must be a positive integer, got {parallel!r}")
+    if study.parallel < 1:
+        raise StudyError(f"parallel: must be a positive integer, got {study.parallel!r}")
     from lightning_maskprior.study.launchers.registry import LAUNCHERS
 
-    launcher = cfg.get("launcher", "local")
-    if launcher not in LAUNCHERS:
-        raise StudyError(f"launcher: unknown launcher {launcher!r}; expected one of {sorted(LAUNCHERS)}")
-    if launcher == "inprocess" and parallel != 1:
+    if study.launcher not in LAUNCHERS:
+        raise StudyError(f"launcher: unknown launcher {study.launcher!r}; expected one of {sorted(LAUNCHERS)}")
+    if study.launcher == "inprocess" and study.parallel != 1:
         raise StudyError("parallel: the inprocess launcher runs one run at a time; use parallel: 1")
-    gpus = cfg.get("gpus_per_run")
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0):
+    if study.gpus_per_run is not None and study.gpus_per_run < 0:
         raise StudyError(f"gpus_per_run: must be a non-negative integer (or null: the launcher's default), "
-                         f"got {gpus!r}")
-    options = cfg.get("launcher_options") or {}
-    if not isinstance(options, dict):
-        raise StudyError(f"launcher_options: must be a mapping of the launcher's settings, got {options!r}")
-    own = cfg.get(launcher) if launcher in ("slurm", "ray") else None  # the study file's `slurm:` / `ray:` mapping
-    if own is not None and not isinstance(own, dict):
-        raise StudyError(f"{launcher}: must be a mapping of the {launcher} launcher's settings, got {own!r}")
-    options = {**(own or {}), **options}  # launcher_options (e.g. on the command line) win
-    threads = cfg.get("threads_per_run")
-    if threads is None:
-        threads = _default_threads(parallel)
-    elif not isinstance(threads, int) or threads < 1:
-        raise StudyError(f"threads_per_run: must be a positive integer, got {threads!r}")
-
-    return Study(
-        path=Path(path).resolve() if path is not None else None,
-        title=str(cfg.get("title") or name),
-        tasks=tasks,
-        inits=inits,
-        seeds=list(seeds),
-        out_dir=Path(cfg.get("out_dir") or Path("runs") / "study" / name).resolve(),
-        test=bool(cfg.get("test", True)),
-        parallel=parallel,
-        threads_per_run=threads,
-        seed_args=seed_args,
-        args=_check_args(cfg.get("args"), "args"),
-        paper_tables=paper_tables,
-        retry_failed=bool(cfg.get("retry_failed", True)),
-        replace_out_dir=bool(cfg.get("replace_out_dir", False)),
-        results_from=_results_from(cfg.get("results_from")),
-        launcher=launcher,
-        gpus_per_run=gpus,
-        launcher_options=dict(options),
-    )
+                         f"got {study.gpus_per_run!r}")
+    own = getattr(study, study.launcher) if study.launcher in ("slurm", "ray") else None  # its own mapping
+    study.launcher_options = {**(own or {}), **(study.launcher_options or {})}  # launcher_options win
+    if study.threads_per_run is None:
+        study.threads_per_run = _default_threads(study.parallel)
+    elif study.threads_per_run < 1:
+        raise StudyError(f"threads_per_run: must be a positive integer, got {study.threads_per_run!r}")
+    study.results_from = _results_from(study.results_from)
+    return study
 
 
-def _results_from(value: Any) -> list[Path]:
-    """One result directory or a list of them (None or "": none)."""
-    values = [] if value in (None, "") else [value] if isinstance(value, (str, Path)) else value
-    if not isinstance(values, (list, tuple)):
-        raise StudyError(f"results_from: {value!r} is neither a result directory nor a list of them")
+def _results_from(value: list[Path] | Path | None) -> list[Path]:
+    """One result directory or a list of them (None: none), each holding study.json and results.csv."""
+    from lightning_maskprior.study.results import ResultDir
+
     paths = []
-    for item in values:
-        path = Path(str(item)).expanduser()
-        if not (path / "results.csv").is_file() or not (path / "study.json").is_file():
+    for item in _as_list(value):
+        path = Path(item).expanduser()
+        if not ResultDir.holds_results(path):
             raise StudyError(f"results_from: {str(item)!r} is not a study's result directory (expected one holding "
-                             "study.json and results.csv, e.g. docs/results/<name>)")
+                             f"{ResultDir.STUDY} and {ResultDir.RESULTS}, e.g. docs/results/<name>)")
         paths.append(path.resolve())
     return paths
 
@@ -347,7 +421,7 @@ class Run:
 
     def fit_args(self) -> list[str]:
         args = ["fit"]
-        for config in [*self.task.configs, *self.init.configs]:
+        for config in [*self.task.config, *self.init.config]:
             args += ["-c", str(config)]
         args += ["--model.init", self.init.name, "--trainer.enable_progress_bar", "false"]
         args += [*self.study.args, *self.task.args, *self.init.args]
@@ -357,7 +431,7 @@ class Run:
 
     def key(self) -> dict:
         """What makes a finished run reusable: the same fit command, config file contents and test choice."""
-        configs = {str(p): _file_hash(p) for p in [*self.task.configs, *self.init.configs]}
+        configs = {str(p): _file_hash(p) for p in [*self.task.config, *self.init.config]}
         return {"fit": self.fit_args(), "configs": configs, "test": self.study.test}
 
     def fingerprint(self) -> str:

@@ -11,9 +11,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_maskprior.metrics import HALF_LIFE, SCORE
 from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study import paper_results
-from lightning_maskprior.study.results import HALF_LIFE, SCORE, InitInfo, ResultSet, RunRow, TaskInfo
+from lightning_maskprior.study.results import InitInfo, ResultDir, ResultSet, RunRow, TaskInfo
 from lightning_maskprior.study.spec import Metric
 
 
@@ -211,8 +212,8 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
     lines += [f"{'#' * sub} Notes", ""]
     lines.append(f"- Ours: mean ± sample std over seeds {result.seeds} of each run's last logged value (no ± from "
                  "one seed; \"k/n seeds\": only k runs counted). Each seed's value: "
-                 f"[per_seed.csv]({link_base}per_seed.csv); every run with its status: [results.csv]({link_base}"
-                 "results.csv).")
+                 f"[{ResultDir.PER_SEED}]({link_base}{ResultDir.PER_SEED}); every run with its status: "
+                 f"[{ResultDir.RESULTS}]({link_base}{ResultDir.RESULTS}).")
     columns = _columns_note(result)
     if columns:
         lines.append(columns)
@@ -258,7 +259,7 @@ def write_csvs(result: ResultSet, out_dir: Path) -> None:
     per_seed.csv (one row per run that ran, wall seconds too)."""
     tables = metric_tables(result)
     labels = {metric.label: metric for metric, _ in tables}
-    with open(out_dir / "table.csv", "w", newline="") as f:
+    with open(out_dir / ResultDir.TABLE_CSV, "w", newline="") as f:
         writer = csv.writer(f)
         quantities = [*labels, "persistence score", "half-life"]  # not wall time: it differs between two runs
         writer.writerow(["task", *(f"{i.label}:{q}:{k}" for i in result.inits for q in quantities
@@ -273,7 +274,7 @@ def write_csvs(result: ResultSet, out_dir: Path) -> None:
                     row += ["", "", "", ""] if cell is None else [
                         "" if v is None else v for v in (cell.mean, cell.std, cell.n, cell.paper)]
             writer.writerow(row)
-    with open(out_dir / "per_seed.csv", "w", newline="") as f:
+    with open(out_dir / ResultDir.PER_SEED, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["task", "init", "seed", "status", *labels, "wall_seconds", "precision",
                          "persistence_score_end", "half_life_step"])
