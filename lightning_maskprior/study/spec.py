@@ -349,7 +349,7 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
             get_init(init.name)  # a registered method, or module.path:function of the user's own
         except ValueError as err:
             raise StudyError(f"{where}: {err}") from None
-        init.label = _safe_name(init.label or init.name, where)
+        init.label = _safe_name(init.label or init.name.rpartition(":")[2], where)  # my_pkg.inits:band -> band
         init.config = [_resolve_path(c, where, bases) for c in _as_list(init.config)]
         init.args = [str(a) for a in init.args]
         inits.append(init)
