@@ -135,7 +135,8 @@ class MaskPriorCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """The Trainer with the run's own callbacks, logger and checkpoint plugin beside the configured ones."""
-        config = {**self.config_init[self.subcommand].get("trainer", {}), **kwargs}
+        parsed = self.config_init[self.subcommand] if self.subcommand else self.config_init  # run=False: no subcommand
+        config = {**parsed.get("trainer", {}), **kwargs}
         configured = _as_list(config.get("callbacks"))
         # Every fit keeps last.ckpt (saved at the end of training and on SIGTERM/SIGINT), unless checkpointing is off.
         callbacks = [StopOnSignal(), FinalCheckpoint(), RNGStates(), StopOnDivergence(), RemoveEmptyRun()]
