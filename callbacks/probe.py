@@ -79,10 +79,7 @@ def reference_structure(pl_module: L.LightningModule) -> Structure | None:
     attention's sequence; it is set whatever the init, so ``default`` and the query/key inits are
     measured against the same pattern as ``mask``.
     """
-    structure = getattr(pl_module, "reference_structure", None)
-    if structure is None:
-        structure = getattr(pl_module, "structure", None)
-    return structure
+    return getattr(pl_module, "structure", None)
 
 
 def log_scalars(trainer: L.Trainer, values: dict[str, float], step: int) -> None:
@@ -100,6 +97,3 @@ def tensorboard(trainer: L.Trainer):
             return logger.experiment
     return None
 
-
-def layer_head_tag(prefix: str, layer: int, head: int) -> str:
-    return f"{prefix}/layer{layer}/head{head}"

@@ -67,13 +67,12 @@ LOW_RANK_FIT_STEPS = 100  # at most this many rounds of the low_rank projection 
 PRIOR_FLOOR = -30.0
 
 
-def kernel_for(device_type: str, dtype: torch.dtype) -> str:
-    """The attention kernel ``auto`` uses on this device type for queries of this dtype (see the module doc).
+def kernel_for(device_type: str) -> str:
+    """The attention kernel ``auto`` uses on this device type (see the module doc).
 
-    On a CPU: ``explicit`` in float32 and bfloat16 alike (measured, benchmarks/step_speed.py). Elsewhere:
+    On a CPU: ``explicit``, in float32 and bfloat16 alike (measured, benchmarks/step_speed.py). Elsewhere:
     ``sdpa``, whose fused GPU kernels take the prior as a mask.
     """
-    del dtype  # both CPU dtypes measured the same way round; the argument keeps the table's key explicit
     return "explicit" if device_type == "cpu" else "sdpa"
 
 
@@ -446,7 +445,7 @@ class PriorAttention(PriorCarrier):
         kernel, device = self.kernel, x.device.type
         autocast_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         if kernel == "auto":
-            kernel = kernel_for(device, autocast_dtype or x.dtype)
+            kernel = kernel_for(device)
         dropout_p = self.attn_drop if self.training else 0.0
         if autocast_dtype is not None and x.is_floating_point():
             x = x.to(autocast_dtype)  # what autocast would do inside the projection; done once, in the open

@@ -505,7 +505,7 @@ def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if bias is not None:
         bias = _prior_at_positions(bias, query, key, attention_mask, kwargs.get("position_ids"), module)
     extra_terms = softcap is not None or sinks is not None
-    explicit = extra_terms or (bias is not None and kernel_for(query.device.type, query.dtype) == "explicit")
+    explicit = extra_terms or (bias is not None and kernel_for(query.device.type) == "explicit")
     if explicit or recording:
         groups = getattr(module, "num_key_value_groups", 1)
         keys, values = (repeat_kv(key, groups), repeat_kv(value, groups)) if groups > 1 else (key, value)

@@ -1,11 +1,11 @@
 """``maskprior study``: a grid of tasks x init methods x seeds (see ``cli.py`` for the command).
 
-    spec.py       the study file: entries, validation, the runs (Study, TaskEntry, InitEntry, Metric, Run)
+    spec.py       the study file: its options (Study, TaskEntry, InitEntry, Metric), validation, the runs (Run)
     cell.py       one run as one self-contained command that writes its own result.json
     launchers/    what executes the cells: local processes, in-process, SLURM (submitit), Ray
     lock.py       one study at a time per output directory
-    record.py     the attention maps of a run at the start and the end of training, as arrays
-    results.py    the result directory's data files (study.json, results.csv, curves, maps): written, read
+    results.py    the result directory (ResultDir) and its data files (study.json, results.csv, curves, maps)
+    paper_results.py  the paper's numbers, beside ours in the tables
     tables.py     table.md / table.csv / per_seed.csv in the paper's layout, from the data files
     figures.py    the figures (PNG and PDF), from the data files
     report.py     `maskprior report`: tables and figures of a result directory, and the README's copies

@@ -75,7 +75,7 @@ class InitInfo:
     name: str  # the init method
     label: str  # its column and directory name
     variant: str | None = None  # what the study adds to the method's task defaults (config files, arguments);
-    # "" for nothing, None where study.json does not record it (studies written before it did)
+    # "" for nothing, None where study.json does not record it (published results such as docs/results/cyclic3_cpu)
 
 
 @dataclass
@@ -88,7 +88,8 @@ class RunRow:
     precision: str | None = None
     values: dict[str, float] = field(default_factory=dict)  # tag -> last logged value (metrics, score, half-life)
     error: str = ""
-    fingerprint: str = ""  # Run.fingerprint() of the run that produced the row ("" in files written before it)
+    fingerprint: str = ""  # Run.fingerprint() of the run that produced the row ("" where results.csv has none, as
+    # in published results such as docs/results/cyclic3_cpu; such a row never stands for a run)
 
 
 @dataclass
@@ -330,14 +331,14 @@ def _read(path: Path, what: str) -> str:
 def _study_info(path: Path) -> dict[str, Any]:
     try:
         info = json.loads(_read(path, "study description"))
-        for key in ("title", "seeds", "tasks", "inits"):
+        for key in ("title", "seeds", "paper_tables", "tasks", "inits"):
             info[key]  # noqa: B018 - present, or the KeyError below names it
     except json.JSONDecodeError as err:
         raise ResultFileError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): cut short or corrupt; "
                               "`maskprior study -c FILE --table_only true` rewrites it from the runs") from None
     except (KeyError, TypeError) as err:
         raise ResultFileError(f"{path} lacks {err}: expected what a study writes (title, seeds, tasks, "
-                              "inits)") from None
+                              "paper_tables, inits)") from None
     return info
 
 
@@ -348,7 +349,7 @@ def _results_rows(path: Path, info: dict[str, Any]) -> list[RunRow]:
     fixed = {"task", "init", "seed", "status", "seconds", "precision", "error", "fingerprint"}
     reader = csv.DictReader(io.StringIO(_read(path, "results table"), newline=""))
     runs = []
-    expected = {(t["name"], i.get("label", i["name"]), int(s)) for t in info["tasks"] for i in info["inits"]
+    expected = {(t["name"], i["label"], int(s)) for t in info["tasks"] for i in info["inits"]
                 for s in info["seeds"]}
     lines: dict[tuple[str, str, int], int] = {}  # the line of each run's row: one row per run
     for number, row in enumerate(reader, start=2):
@@ -366,7 +367,7 @@ def _results_rows(path: Path, info: dict[str, Any]) -> list[RunRow]:
             raise ResultFileError(f"{where}: precision {row['precision']!r} is not a Lightning precision: cut short?")
         run = (row["task"], row["init"], seed)
         if run not in expected:
-            tasks, inits = [t["name"] for t in info["tasks"]], [i.get("label", i["name"]) for i in info["inits"]]
+            tasks, inits = [t["name"] for t in info["tasks"]], [i["label"] for i in info["inits"]]
             raise ResultFileError(f"{where}: run {'/'.join(map(str, run))} is not one of the study's runs (tasks "
                                   f"{tasks}, inits {inits}, seeds {list(info['seeds'])}): expected one row per run of "
                                   "study.json; `maskprior study -c FILE --table_only true` rewrites it")
@@ -415,11 +416,11 @@ def load(path: str | Path, maps: bool = True) -> ResultSet:
             raise FileNotFoundError(f"{path} is not a study's result directory: it has no {name} (a study writes "
                                     "it; `maskprior study -c FILE --table_only true` rewrites it from the runs)")
     info = _study_info(path / ResultDir.STUDY)
-    tasks = [TaskInfo(t["name"], t.get("paper", t["name"]), [Metric(**m) for m in t["metrics"]],
-                      list(t.get("curves", [])), t.get("train_fraction")) for t in info["tasks"]]
-    inits = [InitInfo(i["name"], i.get("label", i["name"]), i.get("variant")) for i in info["inits"]]
+    tasks = [TaskInfo(t["name"], t["paper"], [Metric(**m) for m in t["metrics"]], list(t["curves"]),
+                      t["train_fraction"]) for t in info["tasks"]]
+    inits = [InitInfo(i["name"], i["label"], i.get("variant")) for i in info["inits"]]
     runs = _results_rows(path / ResultDir.RESULTS, info)
-    result = ResultSet(path, info["title"], list(info["seeds"]), [str(t) for t in info.get("paper_tables", [])],
+    result = ResultSet(path, info["title"], list(info["seeds"]), [str(t) for t in info["paper_tables"]],
                        tasks, inits, runs)
     if (path / ResultDir.CURVES).is_file():
         result.curves = _curves(path / ResultDir.CURVES)

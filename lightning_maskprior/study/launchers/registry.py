@@ -3,7 +3,6 @@
 #: name -> "module:Class", imported when used (slurm needs submitit, ray needs ray).
 LAUNCHERS: dict[str, str] = {
     "local": "lightning_maskprior.study.launchers.local:LocalLauncher",
-    "subprocess": "lightning_maskprior.study.launchers.local:LocalLauncher",  # the old name of "local"
     "inprocess": "lightning_maskprior.study.launchers.local:InProcessLauncher",
     "slurm": "lightning_maskprior.study.launchers.slurm:SlurmLauncher",
     "ray": "lightning_maskprior.study.launchers.ray:RayLauncher",
