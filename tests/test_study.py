@@ -514,6 +514,38 @@ def test_the_same_study_from_another_install_location_keeps_its_runs(tmp_path, m
     assert not changed.is_done() and prepare_run(changed) == "redo"
 
 
+def test_a_fingerprint_is_of_the_composed_config_not_of_its_files(tmp_path, monkeypatch):
+    """The fingerprint digests the CLI's default configs and the run's configs merged in order: a trainer option
+    moved from the task file into the defaults, or into another composed file, is the same run; a changed value,
+    or a later file's list replacing an earlier one with another, is another."""
+    from lightning_maskprior.run import config_files
+
+    monkeypatch.chdir(ROOT)
+    task = yaml.safe_load((CONFIGS / "boolean/2parity.yaml").read_text())
+    write = lambda name, content: (tmp_path / name).write_text(yaml.safe_dump(content)) and tmp_path / name  # noqa: E731
+    defaults = write("defaults.yaml", {"trainer": {}})
+    monkeypatch.setattr(config_files, "default_files", lambda: [defaults])
+
+    def fingerprint(*files: Path) -> str:
+        study = load_study(tiny_study(tmp_path / "out", seeds=[0], inits=["mask"],
+                                      tasks=[{"name": "2parity", "config": [str(f) for f in files]}]))
+        return study.runs()[0].fingerprint()
+
+    whole = fingerprint(write("whole.yaml", task))
+    slim = {**task, "trainer": {k: v for k, v in task["trainer"].items() if k not in ("devices", "callbacks")}}
+    write("defaults.yaml", {"trainer": {"devices": 1, "callbacks": task["trainer"]["callbacks"]}})
+    assert fingerprint(write("slim.yaml", slim)) == whole  # moved into the defaults
+    write("defaults.yaml", {"trainer": {}})
+    extra = write("extra.yaml", {"trainer": {"devices": 1, "callbacks": task["trainer"]["callbacks"]}})
+    assert fingerprint(tmp_path / "slim.yaml", extra) == whole  # moved into a file composed after it
+    write("defaults.yaml", {"trainer": {"devices": 1, "callbacks": task["trainer"]["callbacks"][:1]}})
+    assert fingerprint(tmp_path / "whole.yaml") == whole  # the task file's list replaces the defaults' list
+    assert fingerprint(tmp_path / "slim.yaml") != whole  # the defaults' (shorter) list is another run
+    write("defaults.yaml", {"trainer": {"devices": 2, "callbacks": task["trainer"]["callbacks"]}})
+    assert fingerprint(tmp_path / "slim.yaml") != whole  # a changed value
+    assert fingerprint(tmp_path / "whole.yaml") == whole  # ... the task file overrides
+
+
 def test_run_still_executing_elsewhere_is_left_alone(tmp_path, monkeypatch):
     """A cell still running (e.g. one of a just-killed study saving its checkpoint) holds its run's .cell.lock:
     a new study waits for it, then refuses rather than delete or rerun the directory under it."""

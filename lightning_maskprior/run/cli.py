@@ -466,11 +466,14 @@ def main(args: list[str] | None = None) -> None:
 
 
 def _run_cli(args: list[str] | None) -> None:
+    # The shared trainer options (configs/trainer/default.yaml) come first; each -c composes over them.
+    defaults = {"default_config_files": [str(path) for path in config_files.default_files()]}
     MaskPriorCLI(
         MaskPriorModule,
         L.LightningDataModule,
         subclass_mode_data=True,
         trainer_defaults={"default_root_dir": "runs"},
+        parser_kwargs={subcommand: defaults for subcommand in ("fit", "validate", "test", "predict")},
         save_config_kwargs={"overwrite": True},
         args=args,
         auto_configure_optimizers=False,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 _CONFIG_OPTIONS = ("-c", "--config")
+DEFAULTS = ("trainer/default.yaml",)  # read by fit, validate, test and predict before any -c (default_files)
 
 
 def packaged_dir() -> Path:
@@ -28,6 +29,13 @@ def packaged_dir() -> Path:
         if candidate.is_dir():
             return candidate
     return package / "configs"
+
+
+def default_files() -> list[Path]:
+    """The configs the CLI applies as defaults, before any ``-c``, to every ``fit``, ``validate``, ``test`` and
+    ``predict`` (jsonargparse's ``default_config_files``): the trainer options every run shares, whatever its
+    task and accelerator. A task config holds only what differs from them."""
+    return [packaged_dir() / name for name in DEFAULTS]
 
 
 def packaged(name: str | Path) -> Path | None:

@@ -430,9 +430,10 @@ class Run:
         return args + ["--trainer.default_root_dir", str(self.dir)]
 
     def key(self) -> dict:
-        """What makes a finished run reusable: the same fit command, config file contents and test choice."""
-        configs = {str(p): _file_hash(p) for p in [*self.task.config, *self.init.config]}
-        return {"fit": self.fit_args(), "configs": configs, "test": self.study.test}
+        """What makes a finished run reusable: the same fit command, composed config and test choice (``config``:
+        the digest of the CLI's default configs and the run's config files merged in order, ``config_digest``)."""
+        files = [*config_files.default_files(), *self.task.config, *self.init.config]
+        return {"fit": self.fit_args(), "config": config_digest(files), "test": self.study.test}
 
     def fingerprint(self) -> str:
         """The key without this machine's paths (see ``fingerprint_of``): the same run gives the same fingerprint in
@@ -462,19 +463,19 @@ class Run:
         return status in FINISHED or (status == "failed" and not self.study.retry_failed)
 
 
-_HASHES: dict[tuple[str, float], str] = {}
+_PARSED: dict[tuple[str, float], Any] = {}
 
 
 def fingerprint_of(key: dict, name: str) -> str:
-    """A run's fingerprint from its key (``Run.key``) and name: each config file by name and parsed content
-    (``config_digest``), the fit command without the configs' paths and without its last argument (the run
-    directory), the run's place in the grid and the test choice."""
+    """A run's fingerprint from its key (``Run.key``) and name: the digest of its composed config
+    (``config_digest``), the fit command without its configs (``-c PATH``: how many files the config is split into
+    is no part of the run) and without its last argument (the run directory), the run's place in the grid and the
+    test choice."""
     import hashlib
 
-    configs = [f"{Path(p).name}:{digest}" for p, digest in key["configs"].items()]
     args = key["fit"]
-    args = [a for a, previous in zip(args, ["", *args[:-1]], strict=True) if previous != "-c"][:-1]
-    text = json.dumps({"configs": configs, "fit": args, "run": name, "test": key["test"]})
+    args = [a for a, previous in zip(args, ["", *args[:-1]], strict=True) if "-c" not in (a, previous)][:-1]
+    text = json.dumps({"config": key["config"], "fit": args, "run": name, "test": key["test"]})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -488,26 +489,42 @@ def same_run(record: dict | None, key: dict, name: str) -> bool:
         return False
 
 
-def _file_hash(path: Path) -> str:
-    stamp = (str(path), path.stat().st_mtime)
-    if stamp not in _HASHES:
-        _HASHES[stamp] = config_digest(path.read_text())
-    return _HASHES[stamp]
-
-
-def config_digest(text: str) -> str:
-    """The digest of a YAML config's content: of what it parses to, so an edited comment, a re-indented list or
-    reordered keys leave it (and the fingerprint of every run using the file) unchanged, while any changed value
-    changes it. Text that is not YAML is digested as it is."""
+def config_digest(paths: list[Path]) -> str:
+    """The digest of what config files compose to: their parsed YAML merged in order (``merge_configs``), so an
+    edited comment, reordered keys or an option moved from one of the files to another (a task file's trainer
+    option into the CLI's defaults, say) leave it unchanged, while any changed value changes it. A file that is not
+    YAML counts as its text."""
     import hashlib
 
+    merged: Any = {}
+    for path in paths:
+        merged = merge_configs(merged, _parsed(Path(path)))
+    content = json.dumps(merged, sort_keys=True, default=str)
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
+
+
+def merge_configs(base: Any, later: Any) -> Any:
+    """``later`` over ``base`` as repeated ``-c`` composes them: mappings key by key, a later list or scalar
+    replaces."""
+    if isinstance(base, dict) and isinstance(later, dict):
+        merged = dict(base)
+        for k, v in later.items():
+            merged[k] = merge_configs(base[k], v) if k in base else v
+        return merged
+    return later
+
+
+def _parsed(path: Path) -> Any:
     import yaml
 
-    try:
-        content = json.dumps(yaml.safe_load(text), sort_keys=True, default=str)
-    except yaml.YAMLError:
-        content = text
-    return hashlib.sha256(content.encode()).hexdigest()[:16]
+    stamp = (str(path), path.stat().st_mtime)
+    if stamp not in _PARSED:
+        text = path.read_text()
+        try:
+            _PARSED[stamp] = yaml.safe_load(text) or {}  # an empty file changes nothing
+        except yaml.YAMLError:
+            _PARSED[stamp] = text
+    return _PARSED[stamp]
 
 
 def format_command(args: list[str]) -> str:
