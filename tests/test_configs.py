@@ -60,3 +60,42 @@ def test_arithmetic_readings_compose_with_the_paper_configs(config, task):
     assert {k: printed["data"]["init_args"][k] for k in own["data"]["init_args"]} == own["data"]["init_args"]
     assert printed["model"]["backbone"]["init_args"]["pooling"] == own["model"]["backbone"]["init_args"]["pooling"]
     assert printed["data"]["init_args"]["operation"] == task[:3]
+
+
+def test_the_cli_reads_its_defaults_first_and_a_config_replaces_their_lists(tmp_path, monkeypatch):
+    """The CLI's default configs come before any -c, and a config composes over them as a later -c does: an option
+    it leaves out is the defaults', and a list given in both (trainer.callbacks) is the config's, not the two joined
+    (as the fingerprint of a study's run merges them: study/spec.py merge_configs)."""
+    from lightning_maskprior.run import config_files
+    from lightning_maskprior.study.spec import merge_configs
+
+    monitor = {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text(yaml.safe_dump({"trainer": {"log_every_n_steps": 7, "max_epochs": 3, "callbacks": [monitor]}}))
+    monkeypatch.setattr(config_files, "default_files", lambda: [defaults])
+    task = yaml.safe_load(BASE.read_text())
+    printed = print_config(BASE)["trainer"]
+    names = [c["class_path"].rsplit(".", 1)[1] for c in printed["callbacks"]]
+    assert names == ["PriorPersistence", "ExtrapolationMonitor", "AttentionMaps"]  # replaced, not appended
+    assert names == [c["class_path"].rsplit(".", 1)[1] for c in task["trainer"]["callbacks"]]
+    assert printed["log_every_n_steps"] == 7 and printed["max_epochs"] == task["trainer"]["max_epochs"]
+    merged = merge_configs(yaml.safe_load(defaults.read_text()), task)["trainer"]
+    assert merged["callbacks"] == task["trainer"]["callbacks"] and merged["log_every_n_steps"] == 7
+    without = tmp_path / "without_callbacks.yaml"
+    without.write_text(yaml.safe_dump({**task, "trainer": {k: v for k, v in task["trainer"].items()
+                                                            if k != "callbacks"}}))
+    assert [c["class_path"] for c in print_config(without)["trainer"]["callbacks"]] == [monitor["class_path"]]
+
+
+def test_the_defaults_hold_only_what_is_right_for_every_run():
+    """configs/trainer/default.yaml applies to every run, the user's own configs too: nothing there may tie a run
+    to a machine (accelerator, precision, strategy) or to a task (its length, its callbacks)."""
+    from lightning_maskprior.run import config_files
+
+    files = config_files.default_files()
+    assert files == [CONFIGS / "trainer" / "default.yaml"] and all(f.is_file() for f in files)
+    for path in files:
+        content = yaml.safe_load(path.read_text())
+        assert set(content) == {"trainer"}, path
+        assert not set(content["trainer"]) & {"accelerator", "precision", "strategy", "num_nodes", "max_epochs",
+                                              "max_steps", "callbacks", "default_root_dir"}, path

@@ -3,6 +3,7 @@
     maskprior fit -c boolean/2parity.yaml -c init/mask.yaml
     maskprior fit --help
 
+The configs compose over ``configs/trainer/default.yaml`` (``config_files.default_files``), read before any ``-c``.
 A run with no logger configured logs to ``<default_root_dir>/<task>-<init>-seed<seed>/version_N`` (e.g.
 ``runs/2parity-mask-seed0/version_0``), with its configuration and final metrics in TensorBoard's HPARAMS tab.
 A fit keeps ``<log_dir>/checkpoints/last.ckpt``; ``--ckpt_path last`` resumes the newest one exactly, in the
