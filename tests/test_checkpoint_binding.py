@@ -64,6 +64,13 @@ def test_a_checkpoint_of_another_init_or_init_options_is_refused(trained, tmp_pa
     assert code == 2 and "model.init_options: checkpoint {}, config {'open_value': 5.0}" in capsys.readouterr().err
 
 
+def test_a_checkpoint_trained_on_another_objective_is_refused(trained, tmp_path, capsys):
+    """The objective (the loss trained on, the metrics scored by) binds a checkpoint as its init does."""
+    code = run_exit(["test", *config(), *COMMON, "--ckpt_path", str(ckpt(trained)), "--model.objective", "regression",
+                     "--trainer.default_root_dir", str(tmp_path)])
+    assert code == 2 and "model.objective: checkpoint None, config 'regression'" in capsys.readouterr().err
+
+
 def test_the_run_config_and_its_own_checkpoint_are_accepted(trained, tmp_path, capsys):
     run_config = str(ckpt(trained).parent.parent / "config.yaml")
     main(["test", "-c", run_config, "--ckpt_path", str(ckpt(trained)), "--trainer.default_root_dir", str(tmp_path),

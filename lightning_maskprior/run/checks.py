@@ -51,8 +51,9 @@ def check_ckpt_path(
 # may be tested or resumed with others. Every other option defines the task, and must be the checkpoint's.
 RUN_ONLY_DATA_OPTIONS = frozenset({"batch_size", "eval_batch_size", "num_workers", "val_size", "test_size",
                                    "num_test_stories", "download", "root", "data_dir", "cache_dir"})
-# The model options that decide what was trained (the structure and where it went), beside the datamodule.
-BINDING_MODEL_OPTIONS = ("init", "init_options", "structure")
+# The model options that decide what was trained (the structure and where it went, and the objective: the loss it
+# was trained on and the metrics it is scored by), beside the datamodule.
+BINDING_MODEL_OPTIONS = ("init", "init_options", "structure", "objective")
 
 
 def _plain(value: Any) -> Any:
@@ -70,8 +71,8 @@ def binding_mismatch(hparams: Mapping[str, Any], model: Mapping[str, Any], data:
     """What a checkpoint was trained on that the config does not ask for: ``option: checkpoint X, config Y`` lines.
 
     ``hparams`` are the checkpoint's hyperparameters; ``model`` and ``data`` the config's ``model`` and ``data``
-    entries. The datamodule (its class and every option but ``RUN_ONLY_DATA_OPTIONS``) and the init method,
-    its options and the structure must agree; an option the checkpoint does not record is not compared.
+    entries. The datamodule (its class and every option but ``RUN_ONLY_DATA_OPTIONS``), the init method, its
+    options, the structure and the objective must agree; an option the checkpoint does not record is not compared.
     """
     problems = []
     saved = _plain(hparams.get("datamodule")) or {}
@@ -101,7 +102,8 @@ def binding_mismatch(hparams: Mapping[str, Any], model: Mapping[str, Any], data:
 
 
 def check_checkpoint_binds(checkpoint: Checkpoint, model: Mapping[str, Any], data: Mapping[str, Any] | None) -> None:
-    """Raise a CheckpointError naming both sides if the checkpoint was trained on another task, data or init."""
+    """Raise a CheckpointError naming both sides if the checkpoint was trained on another task, data, init or
+    objective."""
     problems = binding_mismatch(checkpoint.hparams, model, data)
     if problems:
         raise CheckpointError(

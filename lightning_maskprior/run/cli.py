@@ -220,8 +220,8 @@ class MaskPriorCLI(LightningCLI):
 
 def _read_checkpoint(config, subcommand: str) -> Checkpoint | None:
     """The config's ``ckpt_path``, read once and checked against the config before anything is built or written:
-    readable, of this config's run (datamodule and task, init, init options and structure), and for a fit resumable
-    with the same optimizer. ``last`` becomes the newest run of this config. None: no checkpoint."""
+    readable, of this config's run (datamodule and task, init, init options, structure and objective), and for a fit
+    resumable with the same optimizer. ``last`` becomes the newest run of this config. None: no checkpoint."""
     ckpt_path = config.get("ckpt_path")
     checkpoint = None
     if ckpt_path == "last":

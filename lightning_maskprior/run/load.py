@@ -8,6 +8,7 @@ from typing import Any
 from lightning_maskprior.checkpoints import CheckpointError
 from lightning_maskprior.module import MaskPriorModule, build_datamodule
 from lightning_maskprior.run.checks import binding_mismatch
+from lightning_maskprior.run.precision import FALLBACK
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, find_checkpoint
 
 
@@ -49,7 +50,7 @@ def run_precision(run_dir: str | Path, checkpoint: str | Path | None = None) -> 
     ``bf16-mixed``: give it to the Trainer that re-validates a reopened run, and the metrics come out as logged."""
     ckpt = Path(checkpoint) if checkpoint is not None else find_checkpoint(run_dir)
     owner = RunDir.of_checkpoint(ckpt)
-    return owner.precision() if owner is not None else "32-true"
+    return owner.precision() if owner is not None else FALLBACK
 
 
 def _without_pretrained(ckpt: Path) -> dict[str, Any]:

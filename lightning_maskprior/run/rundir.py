@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from lightning_maskprior.checkpoints import CheckpointError
+from lightning_maskprior.run.precision import FALLBACK
 
 
 class RunDir:
@@ -92,7 +93,7 @@ class RunDir:
             return {}
         return config if isinstance(config, dict) else {}
 
-    def precision(self, default: str | None = "32-true") -> str | None:
+    def precision(self, default: str | None = FALLBACK) -> str | None:
         """The ``trainer.precision`` the run trained and validated in (the CLI writes the one it used: bf16-mixed
         on a CPU without native bf16 becomes 32-true), else ``default``. Give it to the Trainer that
         re-validates a reopened run, and the metrics come out as logged."""
