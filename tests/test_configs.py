@@ -99,3 +99,16 @@ def test_the_defaults_hold_only_what_is_right_for_every_run():
         assert set(content) == {"trainer"}, path
         assert not set(content["trainer"]) & {"accelerator", "precision", "strategy", "num_nodes", "max_epochs",
                                               "max_steps", "callbacks", "default_root_dir"}, path
+
+
+def test_discover_reads_the_defaults_as_a_fit_does(tmp_path, monkeypatch, capsys):
+    """``maskprior discover`` builds its task from the same composed config as ``maskprior fit``: defaults first."""
+    from lightning_maskprior.run import config_files
+
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text(yaml.safe_dump({"trainer": {"devices": 0}}))  # refused by the Trainer: read, it stops
+    assert "devices" not in yaml.safe_load(BASE.read_text())["trainer"]
+    monkeypatch.setattr(config_files, "default_files", lambda: [defaults])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["discover", "-c", str(BASE), "--out", str(tmp_path / "structure.yaml")])
+    assert exit_info.value.code == 2 and "devices" in capsys.readouterr().err

@@ -185,7 +185,8 @@ def _datamodule(configs: list[str], overrides: list[str]) -> tuple[Any, MaskPrio
         warnings.simplefilter("ignore")
         cli = MaskPriorCLI(MaskPriorModule, L.LightningDataModule, subclass_mode_data=True, run=False,
                            args=[*argv, "--trainer.default_root_dir", root], auto_configure_optimizers=False,
-                           save_config_callback=None)
+                           save_config_callback=None,  # the configs compose over the CLI's defaults, as in a fit
+                           parser_kwargs={"default_config_files": [str(p) for p in config_files.default_files()]})
     return cli.datamodule, cli.model
 
 
