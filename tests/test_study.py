@@ -532,16 +532,17 @@ def test_a_fingerprint_is_of_the_composed_config_not_of_its_files(tmp_path, monk
         return study.runs()[0].fingerprint()
 
     whole = fingerprint(write("whole.yaml", task))
-    slim = {**task, "trainer": {k: v for k, v in task["trainer"].items() if k not in ("devices", "callbacks")}}
-    write("defaults.yaml", {"trainer": {"devices": 1, "callbacks": task["trainer"]["callbacks"]}})
+    callbacks, epochs = task["trainer"]["callbacks"], task["trainer"]["max_epochs"]
+    slim = {**task, "trainer": {k: v for k, v in task["trainer"].items() if k not in ("max_epochs", "callbacks")}}
+    write("defaults.yaml", {"trainer": {"max_epochs": epochs, "callbacks": callbacks}})
     assert fingerprint(write("slim.yaml", slim)) == whole  # moved into the defaults
     write("defaults.yaml", {"trainer": {}})
-    extra = write("extra.yaml", {"trainer": {"devices": 1, "callbacks": task["trainer"]["callbacks"]}})
+    extra = write("extra.yaml", {"trainer": {"max_epochs": epochs, "callbacks": callbacks}})
     assert fingerprint(tmp_path / "slim.yaml", extra) == whole  # moved into a file composed after it
-    write("defaults.yaml", {"trainer": {"devices": 1, "callbacks": task["trainer"]["callbacks"][:1]}})
+    write("defaults.yaml", {"trainer": {"max_epochs": epochs, "callbacks": callbacks[:1]}})
     assert fingerprint(tmp_path / "whole.yaml") == whole  # the task file's list replaces the defaults' list
     assert fingerprint(tmp_path / "slim.yaml") != whole  # the defaults' (shorter) list is another run
-    write("defaults.yaml", {"trainer": {"devices": 2, "callbacks": task["trainer"]["callbacks"]}})
+    write("defaults.yaml", {"trainer": {"max_epochs": epochs + 1, "callbacks": callbacks}})
     assert fingerprint(tmp_path / "slim.yaml") != whole  # a changed value
     assert fingerprint(tmp_path / "whole.yaml") == whole  # ... the task file overrides
 
