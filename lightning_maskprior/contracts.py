@@ -302,23 +302,6 @@ def check_objective_factory(name: str, fn: Any) -> None:
                           "TaskSpec alone")
 
 
-def check_objective(name: str, objective: Any) -> None:
-    """A PluginError naming objective ``name`` where what it made is not an Objective that implements its three
-    methods."""
-    from torch import nn
-
-    from lightning_maskprior.task import Objective
-
-    if not isinstance(objective, nn.Module):
-        raise PluginError(f"objective {name!r} gave a {type(objective).__name__}; expected an Objective (a subclass of "
-                          "lightning_maskprior.task.Objective)")
-    missing = [m for m in ("loss", "make_metrics", "update_metrics")
-               if getattr(type(objective), m, None) in (None, getattr(Objective, m))]
-    if missing:
-        raise PluginError(f"objective {name!r} ({type(objective).__name__}) does not implement "
-                          f"{', '.join(missing)}; expected an Objective with loss, make_metrics and update_metrics")
-
-
 # kind -> the check of a plug-in named by import path (registered ones are checked when they are registered)
 CHECKS = {"init": check_init, "estimator": check_estimator, "structure": check_structure_builder,
           "objective": check_objective_factory}

@@ -8,13 +8,14 @@ ObjectiveFactory`): a function, or an Objective subclass, called with the task's
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric, MeanSquaredError, Metric, MetricCollection
 
-from lightning_maskprior.contracts import check_objective, check_objective_factory
+from lightning_maskprior.contracts import PluginError, check_objective_factory
 from lightning_maskprior.plugins import resolve
 from lightning_maskprior.task import Objective, TaskSpec
 
@@ -271,3 +272,16 @@ def classification(task: TaskSpec) -> Objective:
 def language_model(task: TaskSpec) -> Objective:
     """Next-token cross-entropy and perplexity (:class:`LanguageModelObjective`)."""
     return LanguageModelObjective()
+
+
+def check_objective(name: str, objective: Any) -> None:
+    """A PluginError naming objective ``name`` where what it made is not an Objective that implements its three
+    methods."""
+    if not isinstance(objective, nn.Module):
+        raise PluginError(f"objective {name!r} gave a {type(objective).__name__}; expected an Objective (a subclass of "
+                          "lightning_maskprior.task.Objective)")
+    missing = [m for m in ("loss", "make_metrics", "update_metrics")
+               if getattr(type(objective), m, None) in (None, getattr(Objective, m))]
+    if missing:
+        raise PluginError(f"objective {name!r} ({type(objective).__name__}) does not implement "
+                          f"{', '.join(missing)}; expected an Objective with loss, make_metrics and update_metrics")

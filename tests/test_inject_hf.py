@@ -291,7 +291,7 @@ def test_on_a_cpu_the_prior_runs_the_explicit_kernel_like_the_projects_own_layer
     x = tokens(length=N)
 
     def logits_and_grad(kernel: str, autocast: bool = False):
-        monkeypatch.setattr(inject, "kernel_for", lambda device, dtype: kernel)
+        monkeypatch.setattr(inject, "kernel_for", lambda device: kernel)
         model = _language_gpt2()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(x, labels=x)
@@ -360,7 +360,7 @@ def kernel(request, monkeypatch):
     """Both paths of the attention function: the explicit one (a CPU) and SDPA (elsewhere)."""
     import lightning_maskprior.inject as inject
 
-    monkeypatch.setattr(inject, "kernel_for", lambda device, dtype: request.param)
+    monkeypatch.setattr(inject, "kernel_for", lambda device: request.param)
     return request.param
 
 

@@ -14,10 +14,11 @@ import yaml
 
 from conftest import CONFIGS, ROOT, TINY_BOOLEAN
 from lightning_maskprior.cli import main
+from lightning_maskprior.run.rundir import ResultDir
 from lightning_maskprior.study import load_study, run_study
 from lightning_maskprior.study.figures import figures
 from lightning_maskprior.study.report import render, update_readme
-from lightning_maskprior.study.results import ResultDir, load, study_info
+from lightning_maskprior.study.results import load, study_info
 from lightning_maskprior.study.spec import StudyError
 
 INITS = ["default", "qk_opt", "mask"]

@@ -170,7 +170,8 @@ class MaskPriorCLI(LightningCLI):
     def _logger(self, logger: Any, root: str | None) -> Any:
         """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``."""
         if logger is None or logger is True:  # Lightning's default: a TensorBoardLogger in default_root_dir
-            return _default_logger(root, self.model, self.config[self.subcommand].get("seed_everything"))
+            config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
+            return _default_logger(root, self.model, config.get("seed_everything"))
         return logger
 
     def _tensorboard_callbacks(self, logger: Any, configured: list[Callback]) -> list[Callback]:

@@ -352,3 +352,23 @@ def _has_logged_values(path: Path) -> bool:
 def find_checkpoint(run_dir: str | Path) -> Path:
     """The checkpoint of a run (a run directory, a directory holding runs, or a checkpoint file itself)."""
     return Path(run_dir) if Path(run_dir).is_file() else RunDir(run_dir).find_checkpoint()
+
+
+class ResultDir:
+    """A study's result directory, by the names of its files: the data files ``collect`` writes and ``load`` reads,
+    and what the report makes of them (tables.py, figures.py, report.py)."""
+
+    STUDY = "study.json"
+    RESULTS = "results.csv"
+    CURVES = "curves.csv.gz"
+    MAPS = "attention_maps.npz"
+    DATA = (STUDY, RESULTS, CURVES, MAPS)
+    TABLE = "table.md"
+    TABLE_CSV = "table.csv"
+    PER_SEED = "per_seed.csv"
+    FIGURES = "figures"
+
+    @classmethod
+    def holds_results(cls, path: Path) -> bool:
+        """Whether ``path`` holds the two files a report needs (study.json and results.csv)."""
+        return (Path(path) / cls.STUDY).is_file() and (Path(path) / cls.RESULTS).is_file()

@@ -38,12 +38,12 @@ from typing import Any
 from lightning_maskprior.run import atomic
 from lightning_maskprior.run.config_files import CheckedConfigFiles
 from lightning_maskprior.run.errors import OneLineErrors
-from lightning_maskprior.run.rundir import StudyRunDir
+from lightning_maskprior.run.rundir import ResultDir, StudyRunDir
 from lightning_maskprior.study.cell import prepare_run
 from lightning_maskprior.study.launchers import Launcher, get_launcher
 from lightning_maskprior.study.lock import study_lock
 from lightning_maskprior.study.report import write_outputs
-from lightning_maskprior.study.results import ResultDir, kept_rows, study_info
+from lightning_maskprior.study.results import kept_rows, study_info
 from lightning_maskprior.study.spec import (
     Run,
     Study,

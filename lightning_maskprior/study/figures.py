@@ -22,8 +22,9 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
 from lightning_maskprior.metrics import HALF_LIFE, OPEN_MASS, PERSISTENCE, SCORE
+from lightning_maskprior.run.rundir import ResultDir
 from lightning_maskprior.study import paper_results
-from lightning_maskprior.study.results import ResultDir, ResultSet, TaskInfo, reference_tag
+from lightning_maskprior.study.results import ResultSet, TaskInfo, reference_tag
 from lightning_maskprior.study.tables import method_label
 
 PANEL = (4.2, 3.0)  # inches per panel

@@ -32,33 +32,13 @@ from typing import Any
 from lightning_maskprior.metrics import HALF_LIFE, PERSISTENCE, SCORE
 from lightning_maskprior.run import atomic
 from lightning_maskprior.run.config_files import option_values
-from lightning_maskprior.run.rundir import StudyRunDir
+from lightning_maskprior.run.rundir import ResultDir, StudyRunDir
 from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study.spec import Metric, Run, Study
 
 MAX_POINTS = 120  # per (run, tag) series in curves.csv.gz: enough for a smooth line, small enough to commit
 FRACTION_OPTION = "--data.init_args.train_fraction"
 SUMMARY = re.compile(rf"^{PERSISTENCE}/[^/]+$")  # the means over layers and heads, not per-head series
-
-
-class ResultDir:
-    """A study's result directory, by the names of its files: the data files ``collect`` writes and ``load`` reads,
-    and what the report makes of them (tables.py, figures.py, report.py)."""
-
-    STUDY = "study.json"
-    RESULTS = "results.csv"
-    CURVES = "curves.csv.gz"
-    MAPS = "attention_maps.npz"
-    DATA = (STUDY, RESULTS, CURVES, MAPS)
-    TABLE = "table.md"
-    TABLE_CSV = "table.csv"
-    PER_SEED = "per_seed.csv"
-    FIGURES = "figures"
-
-    @classmethod
-    def holds_results(cls, path: Path) -> bool:
-        """Whether ``path`` holds the two files a report needs (study.json and results.csv)."""
-        return (Path(path) / cls.STUDY).is_file() and (Path(path) / cls.RESULTS).is_file()
 
 
 @dataclass

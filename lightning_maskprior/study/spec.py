@@ -379,7 +379,7 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
 
 def _results_from(value: list[Path] | Path | None) -> list[Path]:
     """One result directory or a list of them (None: none), each holding study.json and results.csv."""
-    from lightning_maskprior.study.results import ResultDir
+    from lightning_maskprior.run.rundir import ResultDir
 
     paths = []
     for item in _as_list(value):

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_maskprior.metrics import HALF_LIFE, SCORE
+from lightning_maskprior.run.rundir import ResultDir
 from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study import paper_results
-from lightning_maskprior.study.results import InitInfo, ResultDir, ResultSet, RunRow, TaskInfo
+from lightning_maskprior.study.results import InitInfo, ResultSet, RunRow, TaskInfo
 from lightning_maskprior.study.spec import Metric
 
 
