@@ -144,7 +144,8 @@ class Study:
     study's are deleted and redone. Without it such an out_dir is refused, naming the study it holds."""
     results_from: list[Path] | Path | None = None
     """A result directory of this study made elsewhere (e.g. a committed docs/results/<name>, or an out_dir on
-    another machine), or a list of them ('[dir1, dir2]'): each finished row there whose fingerprint (fit command
+    another machine), or a list of them ('[dir1, dir2]', or '--results_from dir1 --results_from+ dir2': given twice
+    without '+', the second replaces the first): each finished row there whose fingerprint (fit command
     and config contents, without paths) is the one a run here would have stands for that run, which is not run;
     its row, curves and maps go into this out_dir's result files (from the first directory that has it). A long
     grid continues this way from its data files alone, and studies run in parts (by task, by seed) join into one
