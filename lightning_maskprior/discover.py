@@ -67,11 +67,12 @@ from lightning_maskprior import contracts
 from lightning_maskprior.attention import attention_layers, attention_probabilities
 from lightning_maskprior.contracts import PluginError
 from lightning_maskprior.fourier import collapses, relevant_bits, sample_mdi
-from lightning_maskprior.plugins import resolve
+from lightning_maskprior.plugins import registrar, resolve
 from lightning_maskprior.priors import StructureSpec
 
 Estimator = Callable[..., "Discovery"]
 ESTIMATORS: dict[str, Estimator] = {}
+_register = registrar("estimator", ESTIMATORS, "estimator")
 # what an estimator receives besides its options
 _GIVEN = ("datamodule", "make_module")
 
@@ -174,15 +175,7 @@ def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
     parameters after ``datamodule`` (and ``make_module``, for one that trains a model), each declared once with a
     type (jsonargparse's constrained types give ranges: ``PositiveInt``, ...), a default, and an ``Args:`` line in
     the docstring: what ``maskprior discover --help``, the YAML and the docs show."""
-
-    def decorator(fn: Estimator) -> Estimator:
-        if name in ESTIMATORS:
-            raise ValueError(f"estimator {name!r} is already registered")
-        contracts.check_estimator(name, fn)
-        ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
+    return _register(name)
 
 
 def _estimator(method: str) -> Estimator:

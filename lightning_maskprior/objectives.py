@@ -15,26 +15,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, MeanSquaredError, Metric, MetricCollection
 
-from lightning_maskprior.contracts import PluginError, check_objective_factory
-from lightning_maskprior.plugins import resolve
+from lightning_maskprior.contracts import PluginError
+from lightning_maskprior.plugins import registrar, resolve
 from lightning_maskprior.task import Objective, TaskSpec
 
 ObjectiveFactory = Callable[[TaskSpec], Objective]
 OBJECTIVES: dict[str, ObjectiveFactory] = {}
+_register = registrar("objective", OBJECTIVES, "objective")
 
 
 def register_objective(name: str) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
     """Decorator: register ``fn(task) -> Objective`` as objective ``name``, which ``--model.objective NAME`` names
     (the contract: :class:`~lightning_maskprior.contracts.ObjectiveFactory`, checked now)."""
-
-    def decorator(fn: ObjectiveFactory) -> ObjectiveFactory:
-        if name in OBJECTIVES:
-            raise ValueError(f"objective {name!r} is already registered")
-        check_objective_factory(name, fn)
-        OBJECTIVES[name] = fn
-        return fn
-
-    return decorator
+    return _register(name)
 
 
 def build_objective(name: str, task: TaskSpec) -> Objective:

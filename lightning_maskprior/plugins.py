@@ -16,6 +16,7 @@ of its inits, each of its runs, ``load_run``. What it names is checked against i
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from lightning_maskprior.contracts import CHECKS, KIND_NAMES, PluginError
@@ -28,12 +29,30 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "objective": ("lightning_maskprior.objectives", "OBJECTIVES"),
 }
 
-__all__ = ["PluginError", "REGISTRIES", "import_path", "is_import_path", "registry", "resolve"]
+__all__ = ["PluginError", "REGISTRIES", "import_path", "is_import_path", "registrar", "registry", "resolve"]
 
 
 def is_import_path(name: str) -> bool:
     """Whether ``name`` is ``module.path:attribute`` rather than a registered name."""
     return ":" in name
+
+
+def registrar(kind: str, registered: dict[str, Any], what: str) -> Callable[[str], Callable[[Any], Any]]:
+    """The ``register(name)`` decorator of plug-ins of ``kind``: it checks a function against the contract of its
+    kind (:data:`~lightning_maskprior.contracts.CHECKS`) and adds it to ``registered`` under ``name``; a ValueError
+    naming ``what`` and ``name`` where that name is taken."""
+
+    def register(name: str) -> Callable[[Any], Any]:
+        def decorator(fn: Any) -> Any:
+            if name in registered:
+                raise ValueError(f"{what} {name!r} is already registered")
+            CHECKS[kind](name, fn)
+            registered[name] = fn
+            return fn
+
+        return decorator
+
+    return register
 
 
 def registry(kind: str) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_maskprior.contracts import PluginError, check_structure_builder
-from lightning_maskprior.plugins import resolve
+from lightning_maskprior.contracts import PluginError
+from lightning_maskprior.plugins import registrar, resolve
 
 Pair = tuple[int, int]
 
@@ -182,21 +182,14 @@ def check_open_closed(open_value: float, closed_value: float) -> None:
 # ------------------------------------------------------------------------------------ builders
 StructureBuilder = Callable[..., Structure]
 STRUCTURE_BUILDERS: dict[str, StructureBuilder] = {}
+_register = registrar("structure", STRUCTURE_BUILDERS, "structure builder")
 
 
 def register_structure(name: str) -> Callable[[StructureBuilder], StructureBuilder]:
     """Decorator: register ``fn(seq_len, **options) -> Structure`` as structure builder ``name``, which
     ``--model.structure NAME`` (or ``{builder: NAME, options: {...}}``) names (the contract:
     :class:`~lightning_maskprior.contracts.StructureBuilder`, checked now)."""
-
-    def decorator(fn: StructureBuilder) -> StructureBuilder:
-        if name in STRUCTURE_BUILDERS:
-            raise ValueError(f"structure builder {name!r} is already registered")
-        check_structure_builder(name, fn)
-        STRUCTURE_BUILDERS[name] = fn
-        return fn
-
-    return decorator
+    return _register(name)
 
 
 def build_structure(name: str, seq_len: int, options: dict[str, Any] | None = None) -> Structure:
