@@ -33,6 +33,10 @@ from lightning_maskprior.task import TaskSpec
 OPERATIONS = ("add", "mul")
 DigitOrder = Literal["msd_first", "lsd_first"]  # most significant digit first (as written), or least
 ORDERS = get_args(DigitOrder)
+# The prior's rows at the tokens an answer digit is read at: the operand structure the paper states, or the operand
+# digits that answer digit depends on.
+ReadoutRows = Literal["operands", "dependencies"]
+READOUT_ROWS = get_args(ReadoutRows)
 # arXiv 2608.00418, Table 2: 3% of the pairs for multiplication, 0.4% for addition.
 PAPER_FRACTIONS = {"add": 0.004, "mul": 0.03}
 BLANK = 10  # token id of an answer token: a placeholder the model writes the answer digit into
@@ -80,6 +84,10 @@ class ArithmeticDataModule(MaskPriorDataModule):
         answer_order: ``msd_first`` (as written) or ``lsd_first`` (reversed): the order of the answer digits in
             the labels, the read-out tokens and the ``digit_acc_<k>`` metrics (k = 0 the first in this order).
         operand_order: ``msd_first`` (as written) or ``lsd_first``: the order of each operand's digit tokens.
+        readout_rows: With ``operand_readout``, the structure's rows at the read-out tokens: ``operands`` (the
+            paper's operand structure, as on every other token) or ``dependencies`` (each attends to the operand
+            digits its answer digit depends on, those of power <= the digit's own, in every layer and head;
+            the rows of the answer tokens always are these).
         structure_heads: Heads of the task's structure; must equal the backbone's ``num_heads``.
         val_size: Held-out pairs evaluated at each validation (None: all of them).
         test_size: Held-out pairs evaluated by ``test`` (None: all of them).
@@ -99,6 +107,7 @@ class ArithmeticDataModule(MaskPriorDataModule):
         answer_width: int | None = None,
         answer_order: DigitOrder = "msd_first",
         operand_order: DigitOrder = "msd_first",
+        readout_rows: ReadoutRows = "operands",
         structure_heads: int = 4,
         val_size: int | None = 20_000,
         test_size: int | None = None,
@@ -126,6 +135,11 @@ class ArithmeticDataModule(MaskPriorDataModule):
         for name, order in (("answer_order", answer_order), ("operand_order", operand_order)):
             if order not in ORDERS:
                 raise ValueError(f"{name} must be one of {list(ORDERS)}, got {order!r}")
+        if readout_rows not in READOUT_ROWS:
+            raise ValueError(f"readout_rows must be one of {list(READOUT_ROWS)}, got {readout_rows!r}")
+        if readout_rows != "operands" and not operand_readout:
+            raise ValueError(
+                f"readout_rows={readout_rows!r} applies to the operand read-out; set operand_readout: true")
         if answer_tokens and operand_readout:
             raise ValueError("answer_tokens and operand_readout are two read-outs; choose one")
         widest = widest_answer(operation, num_digits)
@@ -139,7 +153,7 @@ class ArithmeticDataModule(MaskPriorDataModule):
             )
         self.operation, self.train_fraction, self.num_digits = operation, float(train_fraction), num_digits
         self.answer_tokens, self.operand_readout, self.structure_heads = answer_tokens, operand_readout, structure_heads
-        self.answer_order, self.operand_order = answer_order, operand_order
+        self.answer_order, self.operand_order, self.readout_rows = answer_order, operand_order, readout_rows
         self.val_size, self.test_size = val_size, test_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.seed, self.num_workers = seed, num_workers
@@ -180,6 +194,15 @@ class ArithmeticDataModule(MaskPriorDataModule):
             d = self.num_digits
             order = [*range(d - 1, -1, -1), *range(2 * d - 1, d - 1, -1), *range(2 * d, structure.seq_len)]
             structure = structure.reorder(order, name=f"{structure.name} (operands least significant first)")
+        if self.readout_rows == "dependencies":
+            powers = priors.digit_powers(self.num_digits)
+            if self.operand_order == "lsd_first":
+                powers = powers.flip(0)  # both operands reversed: [0 1 2 0 1 2]
+            answer_powers = range(self.num_answer)
+            if self.answer_order == "msd_first":
+                answer_powers = reversed(answer_powers)
+            reads = dict(zip(self.readout_positions, answer_powers, strict=True))
+            structure = priors.with_readout_dependencies(structure, powers, reads)
         return structure
 
     def task_spec(self) -> TaskSpec:

@@ -101,7 +101,8 @@ class RegressionObjective(Objective):
 
 class DigitsObjective(Objective):
     """Cross-entropy per answer digit, with sequence accuracy (every digit right), digit accuracy, and the accuracy
-    of each answer digit (``digit_acc_<k>``, k = 0 the most significant), which says where a model fails.
+    of each answer digit (``digit_acc_<k>``, k = 0 the first in the labels: the most significant as written, the
+    least with ``answer_order: lsd_first``), which says where a model fails.
 
     The backbone predicts every digit in one pass: output (B, num_digits, base) per read-out token,
     or (B, num_digits * base) from a pooled head (digit-major). ``batch["digits"]`` is (B, num_digits).

@@ -314,7 +314,8 @@ IMPULSE_OFFSETS: list[Pair] = [
 # ------------------------------------------------------------------------------ digit arithmetic
 # Operand tokens: a's digits then b's digits, each most significant first: for 3 digits the tokens
 # are [a2 a1 a0 b2 b1 b0], and token i holds the digit of power 10^(num_digits - 1 - i % num_digits).
-def _digit_powers(num_digits: int) -> Tensor:
+def digit_powers(num_digits: int) -> Tensor:
+    """(2 num_digits,) the power of ten of each operand digit token, both operands most significant first."""
     return num_digits - 1 - torch.arange(2 * num_digits) % num_digits
 
 
@@ -330,7 +331,7 @@ def digit_addition(num_digits: int = 3, num_heads: int = 4, name: str = "additio
     Carry heads: each digit attends to every digit (of both operands) of a lower power, where its
     carry comes from. One head gets both patterns. Every head keeps the diagonal open.
     """
-    power = _digit_powers(num_digits)
+    power = digit_powers(num_digits)
     a_side = torch.arange(2 * num_digits) < num_digits
     aligned = (power[:, None] == power[None, :]) & (a_side[:, None] != a_side[None, :])
     carry = power[None, :] < power[:, None]
@@ -373,10 +374,32 @@ def with_answer_tokens(structure: Structure, num_digits: int, num_answer: int, l
     out = torch.zeros(layers, heads, n + num_answer, n + num_answer, dtype=torch.bool)
     out[..., :n, :n] = structure.open
     answer_power = torch.arange(num_answer) if lsd_first else num_answer - 1 - torch.arange(num_answer)
-    reads = _digit_powers(num_digits)[None, :] <= answer_power[:, None]
+    reads = digit_powers(num_digits)[None, :] <= answer_power[:, None]
     out[..., n:, :n] = reads
     out[..., n:, n:] = torch.eye(num_answer, dtype=torch.bool)
     return Structure(out, name=f"{structure.name}+{num_answer} answer tokens")
+
+
+def with_readout_dependencies(structure: Structure, token_powers: Tensor, readout_powers: dict[int, int]) -> Structure:
+    """Replace the rows of the tokens an answer digit is read at by that digit's dependencies.
+
+    The answer digit of power p depends on the operand digits of power <= p alone (see
+    :func:`with_answer_tokens`), so token t reading the digit of power ``readout_powers[t]`` attends to those
+    operand digits and to itself, in every layer and head. Other rows keep ``structure``'s pattern.
+
+    Args:
+        structure: A structure over the operand tokens.
+        token_powers: (N,) the power of ten of each token's digit, in the tokens' order.
+        readout_powers: Read-out token position -> power of the answer digit read there.
+    """
+    n = structure.seq_len
+    if len(token_powers) != n:
+        raise ValueError(f"{structure.name} has {n} tokens but {len(token_powers)} token powers were given")
+    out = structure.open.clone()
+    eye = torch.eye(n, dtype=torch.bool)
+    for token, power in readout_powers.items():
+        out[..., token, :] = (token_powers <= power) | eye[token]
+    return Structure(out, name=f"{structure.name}, read-out rows by answer dependencies")
 
 
 # ------------------------------------------------------------------------------- user structures

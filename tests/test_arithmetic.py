@@ -141,6 +141,34 @@ def test_least_significant_operands_carry_the_structure_with_them():
     assert set(reversed_answer.structure().open[0, 0, 6, :6].nonzero().flatten().tolist()) == {0, 3}
 
 
+@pytest.mark.parametrize("operation", ["add", "mul"])
+@pytest.mark.parametrize("answer_order", ["msd_first", "lsd_first"])
+@pytest.mark.parametrize("operand_order", ["msd_first", "lsd_first"])
+def test_dependency_rows_open_exactly_the_digits_the_answer_digit_depends_on(operation, answer_order, operand_order):
+    """Checked by brute force over every pair of 2-digit operands: read-out token t opens operand token j
+    (besides itself) exactly when changing j's digit can change the answer digit read at t."""
+    dm = ArithmeticDataModule(operation, train_fraction=0.1, num_digits=2, answer_tokens=False, operand_readout=True,
+                              answer_order=answer_order, operand_order=operand_order, structure_heads=2,
+                              readout_rows="dependencies")
+    pairs = dm.examples(torch.arange(10**4))
+    inputs, digits = pairs.tensors["inputs"], pairs.tensors["digits"]
+    answer = {tuple(x): tuple(y) for x, y in zip(inputs.tolist(), digits.tolist(), strict=True)}
+    structure, operands = dm.structure().open, ArithmeticDataModule(
+        operation, num_digits=2, answer_tokens=False, operand_readout=True, answer_order=answer_order,
+        operand_order=operand_order, structure_heads=2).structure().open
+    generator = torch.Generator().manual_seed(0)
+    for k, t in enumerate(dm.readout_positions):
+        for j in range(4):
+            changed = inputs.clone()
+            changed[:, j] = (changed[:, j] + torch.randint(1, 10, (len(changed),), generator=generator)) % 10
+            depends = any(answer[tuple(x)][k] != y[k] for x, y in zip(changed.tolist(), digits.tolist(), strict=True))
+            assert bool(structure[..., t, j].all()) == (depends or j == t)
+            assert not (structure[..., t, j] ^ structure[0, 0, t, j]).any()  # the same in every layer and head
+    # Rows no answer digit is read at keep the operand structure.
+    others = [t for t in range(4) if t not in dm.readout_positions]
+    assert torch.equal(structure[..., others, :], operands[..., others, :])
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -150,6 +178,8 @@ def test_least_significant_operands_carry_the_structure_with_them():
         ({"answer_width": 3}, r"answer_width must be in \[4, 8\] for add of 3-digit operands, got 3"),
         ({"answer_order": "reversed"}, r"answer_order must be one of \['msd_first', 'lsd_first'\], got 'reversed'"),
         ({"operand_order": "lsd"}, "operand_order must be one of"),
+        ({"answer_tokens": False, "operand_readout": True, "readout_rows": "answer"}, "readout_rows must be one of"),
+        ({"readout_rows": "dependencies"}, "applies to the operand read-out; set operand_readout: true"),
     ],
 )
 def test_bad_readings(kwargs, message):
