@@ -190,14 +190,13 @@ class ArithmeticDataModule(MaskPriorDataModule):
         if self.answer_tokens:
             structure = priors.with_answer_tokens(
                 structure, self.num_digits, self.num_answer, lsd_first=self.answer_order == "lsd_first")
+        d = self.num_digits
+        order = list(range(structure.seq_len))
         if self.operand_order == "lsd_first":
-            d = self.num_digits
             order = [*range(d - 1, -1, -1), *range(2 * d - 1, d - 1, -1), *range(2 * d, structure.seq_len)]
             structure = structure.reorder(order, name=f"{structure.name} (operands least significant first)")
-        if self.readout_rows == "dependencies":
-            powers = priors.digit_powers(self.num_digits)
-            if self.operand_order == "lsd_first":
-                powers = powers.flip(0)  # both operands reversed: [0 1 2 0 1 2]
+        if self.readout_rows == "dependencies":  # operand tokens alone: operand_readout has no answer tokens
+            powers = priors.digit_powers(d)[order]
             answer_powers = range(self.num_answer)
             if self.answer_order == "msd_first":
                 answer_powers = reversed(answer_powers)

@@ -363,29 +363,31 @@ def with_answer_tokens(structure: Structure, num_digits: int, num_answer: int, l
     """Append ``num_answer`` answer tokens (most significant first, or least with ``lsd_first``) to an
     operand-digit structure whose operands are written most significant first.
 
-    The answer digit of power p is a function of the operand digits of power <= p alone (higher
-    digits cannot reach it; lower ones bring the carries), for addition and multiplication alike.
-    So the answer token of power p attends to those operand digits and to itself, in every layer and
-    head. Operand tokens do not attend to answer tokens (which carry no data).
+    The answer token of power p attends to the operand digits that answer digit depends on and to itself
+    (:func:`with_readout_dependencies`), in every layer and head. Operand tokens do not attend to answer
+    tokens (which carry no data).
     """
     layers, heads, n, _ = structure.open.shape
     if n != 2 * num_digits:
         raise ValueError(f"{structure.name} has {n} tokens, expected 2 * {num_digits} operand digits")
-    out = torch.zeros(layers, heads, n + num_answer, n + num_answer, dtype=torch.bool)
-    out[..., :n, :n] = structure.open
+    padded = torch.zeros(layers, heads, n + num_answer, n + num_answer, dtype=torch.bool)
+    padded[..., :n, :n] = structure.open
+    padded[..., n:, n:] = torch.eye(num_answer, dtype=torch.bool)  # every row needs an open entry; replaced below
     answer_power = torch.arange(num_answer) if lsd_first else num_answer - 1 - torch.arange(num_answer)
-    reads = digit_powers(num_digits)[None, :] <= answer_power[:, None]
-    out[..., n:, :n] = reads
-    out[..., n:, n:] = torch.eye(num_answer, dtype=torch.bool)
-    return Structure(out, name=f"{structure.name}+{num_answer} answer tokens")
+    # answer tokens get a power no answer digit reaches, so that no answer row opens another answer token
+    token_powers = torch.cat([digit_powers(num_digits), torch.full((num_answer,), num_answer)])
+    reads = {n + k: int(power) for k, power in enumerate(answer_power)}
+    out = with_readout_dependencies(Structure(padded, name=structure.name), token_powers, reads)
+    return Structure(out.open, name=f"{structure.name}+{num_answer} answer tokens")
 
 
 def with_readout_dependencies(structure: Structure, token_powers: Tensor, readout_powers: dict[int, int]) -> Structure:
     """Replace the rows of the tokens an answer digit is read at by that digit's dependencies.
 
-    The answer digit of power p depends on the operand digits of power <= p alone (see
-    :func:`with_answer_tokens`), so token t reading the digit of power ``readout_powers[t]`` attends to those
-    operand digits and to itself, in every layer and head. Other rows keep ``structure``'s pattern.
+    The answer digit of power p is a function of the operand digits of power <= p alone (higher digits
+    cannot reach it; lower ones bring the carries), for addition and multiplication alike. So token t
+    reading the digit of power ``readout_powers[t]`` attends to the tokens of power <= that and to itself,
+    in every layer and head. Other rows keep ``structure``'s pattern.
 
     Args:
         structure: A structure over the operand tokens.
