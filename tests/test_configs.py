@@ -18,13 +18,13 @@ COMPOSE_WITH = sorted((CONFIGS / "init").rglob("*.yaml")) + sorted((CONFIGS / "t
 BASE = CONFIGS / "boolean" / "2parity.yaml"
 
 
-def print_config(*configs) -> dict:
-    args = ["fit"]
+def print_config(*configs, args: tuple[str, ...] = ()) -> dict:
+    fit = ["fit"]
     for config in configs:
-        args += ["-c", str(config)]
+        fit += ["-c", str(config)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-        main(args + ["--print_config"])
+        main([*fit, *args, "--print_config"])
     assert exit_info.value.code in (0, None)
     return yaml.safe_load(out.getvalue())
 
@@ -55,7 +55,7 @@ def test_init_and_trainer_configs_compose(config):
 @pytest.mark.parametrize("config", READINGS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("task", ["multiplication", "addition"])
 def test_arithmetic_readings_compose_with_the_paper_configs(config, task):
-    printed = print_config(CONFIGS / "arithmetic" / "paper" / f"{task}.yaml", config)
+    printed = print_config(CONFIGS / "arithmetic" / "paper" / "pooled" / f"{task}.yaml", config)
     own = yaml.safe_load(config.read_text())
     assert {k: printed["data"]["init_args"][k] for k in own["data"]["init_args"]} == own["data"]["init_args"]
     assert printed["model"]["backbone"]["init_args"]["pooling"] == own["model"]["backbone"]["init_args"]["pooling"]
@@ -112,3 +112,14 @@ def test_discover_reads_the_defaults_as_a_fit_does(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit) as exit_info:
         main(["discover", "-c", str(BASE), "--out", str(tmp_path / "structure.yaml")])
     assert exit_info.value.code == 2 and "devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task", ["multiplication", "addition"])
+def test_the_paper_arithmetic_configs_are_the_reading_table_2_ran(task):
+    """The shipped paper configs run exactly what the Table 2 study ran as its ``*_dependency_rows`` tasks."""
+    paper = CONFIGS / "arithmetic" / "paper"
+    shipped = print_config(paper / f"{task}.yaml")
+    studied = print_config(paper / "pooled" / f"{task}.yaml", CONFIGS / "arithmetic" / "readings" / "lsd_operands.yaml",
+                           args=("--data.init_args.readout_rows", "dependencies"))
+    assert shipped == studied
+    assert print_config(paper / "pooled" / f"{task}.yaml") != shipped
