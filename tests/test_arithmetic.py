@@ -343,3 +343,19 @@ def test_tiny_fit_and_test(tmp_path, capsys, config, init, readout):
     out = capsys.readouterr().out
     for name in ("seq_acc", "digit_acc", "loss"):
         assert f"test/{name} " in out
+
+
+def test_the_read_out_rows_change_the_prior_alone(tmp_path):
+    """The default column needs no run per reading of the rows: ``readout_rows`` reaches the model through the
+    prior only, so without one the two readings train the same model step for step (and with one, they do not)."""
+    def val_curve(init: str, rows: str) -> list[float]:
+        root = tmp_path / init / rows
+        paper = CONFIGS / "arithmetic/paper/multiplication.yaml"
+        main(["fit", "-c", str(paper), "-c", str(CONFIGS / f"init/{init}.yaml"), *TINY,
+              "--trainer.max_epochs", "1", "--trainer.precision", "32-true",
+              "--data.init_args.readout_rows", rows, "--trainer.default_root_dir", str(root)])
+        scalars = read_scalars(next(root.glob("*/version_*")))
+        return [*scalars["val/loss"], *scalars["val/digit_acc"]]
+
+    assert val_curve("default", "operands") == val_curve("default", "dependencies")
+    assert val_curve("mask", "operands") != val_curve("mask", "dependencies")
