@@ -232,6 +232,30 @@ def test_fraction_sweep_is_drawn_against_the_training_fraction(tmp_path, monkeyp
     assert ax.get_ylabel() == "acc %"
 
 
+def test_each_task_without_its_fraction_is_a_sweep_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    multiplication, addition = (str(CONFIGS / f"arithmetic/{name}.yaml") for name in ("multiplication", "addition"))
+    fraction = "--data.init_args.train_fraction"
+    tasks = [{"name": "multiplication_1pct", "config": multiplication, "args": [fraction, "0.01"]},
+             {"name": "multiplication", "config": multiplication},  # 3%: its config file's fraction
+             {"name": "multiplication_wd", "config": multiplication, "args": ["--model.weight_decay", "0.1"]},
+             {"name": "addition", "config": addition},  # 0.4%
+             {"name": "addition_10pct", "config": addition, "args": [f"{fraction}=0.1"]}]
+    metric = {"tag": "test/acc", "label": "seq acc %", "scale": 100, "paper": "seq_acc"}
+    path = write_result_dir(tmp_path / "sweeps", curves=False, tasks=tasks, metrics=[metric], paper_tables=["2"])
+    loaded = load(path).tasks
+    assert [t.train_fraction for t in loaded] == [0.01, 0.03, 0.03, 0.004, 0.1]
+    assert loaded[0].series == loaded[1].series != loaded[2].series  # the weight decay is another task
+    axes = figures(load(path))["fraction_sweep"].axes
+    assert [ax.get_title() for ax in axes] == ["multiplication", "addition"]  # a row per sweep
+    mean_lines = [[line for line in ax.get_lines() if line.get_linestyle() == "-"] for ax in axes]
+    assert [list(line.get_xdata()) for line in mean_lines[0]] == [[1.0, 3.0]] * len(INITS)  # not the wd task
+    assert [list(line.get_xdata()) for line in mean_lines[1]] == [[0.4, 10.0]] * len(INITS)
+    stars = [line for line in axes[0].get_lines() if line.get_marker() == "*"]
+    assert {tuple(line.get_xdata()) for line in stars} == {(3.0,)}  # the paper's value at the fraction it has
+    assert sorted(line.get_ydata()[0] for line in stars) == [5.01, 27.82, 69.49]
+
+
 def test_missing_curves_give_tables_and_a_note(result_dir, capsys):
     (result_dir / ResultDir.CURVES).unlink()
     (result_dir / ResultDir.MAPS).unlink()

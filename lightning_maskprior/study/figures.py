@@ -6,7 +6,8 @@
                             one panel per task
     <task>_persistence      every persistence summary (score, correlations, drifts, gradient norms) and the half-life
                             of each run (markers: it is one number per run)
-    fraction_sweep          each metric against the training fraction (tasks that differ by train_fraction)
+    fraction_sweep          each metric against the training fraction, a row of panels per sweep (tasks that differ
+                            by their training fraction alone)
     <task>_attention_maps   the first seed's attention at the start and the end of training, per init and layer
 
 ``figures(result)`` returns matplotlib Figures (for tests to inspect); ``write_figures`` saves them.
@@ -242,50 +243,80 @@ def _half_life_panel(ax, result: ResultSet, task: TaskInfo) -> list[tuple[Line2D
     return marks
 
 
+def _sweeps(result: ResultSet) -> list[list[TaskInfo]]:
+    """The tasks that set a training fraction, grouped into sweeps: tasks of one series (the same task but for its
+    fraction; all of them where study.json predates series) at two fractions at least, each sorted by fraction."""
+    groups: dict[str | None, list[TaskInfo]] = {}
+    for task in result.tasks:
+        if task.train_fraction is not None:
+            groups.setdefault(task.series, []).append(task)
+    return [sorted(tasks, key=lambda t: t.train_fraction) for tasks in groups.values()
+            if len({t.train_fraction for t in tasks}) >= 2]
+
+
+def _sweep_title(result: ResultSet, tasks: list[TaskInfo]) -> str:
+    """A sweep's name: the paper's task key of its task that the paper's tables have, else its series."""
+    for task in tasks:
+        if any(task.paper in paper_results.TABLES.get(t, {}).get("results", {}) for t in result.paper_tables):
+            return task.paper
+    return tasks[0].series or tasks[0].name
+
+
 def fraction_sweep(result: ResultSet) -> Figure | None:
-    """Each metric against the training fraction, for the tasks that set one (two fractions at least)."""
-    tasks = [t for t in result.tasks if t.train_fraction is not None]
-    if len({t.train_fraction for t in tasks}) < 2:
+    """Each metric against the training fraction (log axis), one row of panels per sweep (``_sweeps``): a line per
+    init through the seeds' means, the seeds as dots, and the paper's value (a star) at the fraction its table has."""
+    sweeps = _sweeps(result)
+    if not sweeps:
         return None
-    labels = list(dict.fromkeys(m.label for t in tasks for m in t.metrics))
-    fig = Figure(figsize=(PANEL[0] * len(labels) + 1.6, PANEL[1]), layout="constrained")
+    labels = list(dict.fromkeys(m.label for tasks in sweeps for t in tasks for m in t.metrics))
+    fig = Figure(figsize=(PANEL[0] * len(labels) + 1.6, PANEL[1] * len(sweeps)), layout="constrained")
+    axes = fig.subplots(len(sweeps), len(labels), squeeze=False)
     has_paper = False
-    for ax, label in zip(fig.subplots(1, len(labels), squeeze=False)[0], labels, strict=True):
-        percent_axis = True
-        for init in result.inits:
-            color, xs, means = _color(result, init.label), [], []
-            for task in sorted(tasks, key=lambda t: t.train_fraction):
-                metric = next((m for m in task.metrics if m.label == label), None)
-                if metric is None:
-                    continue
-                percent_axis = percent_axis and metric.scale == 100
-                x = task.train_fraction * 100
-                values = [r.values[metric.tag] * metric.scale for r in result.runs_of(task.name, init.label)
-                          if metric.tag in r.values]
-                ax.plot([x] * len(values), values, "o", color=color, alpha=0.3, markersize=4)
-                if values:
-                    xs.append(x)
-                    means.append(statistics.mean(values))
-                paper = (paper_results.paper_value(result.paper_tables, task.paper, init.name, metric.paper)
-                         if result.paper_tables and metric.paper else None)
-                if paper is not None:
-                    ax.plot([x], [paper], "*", color=color, markeredgecolor="black", markersize=11)
-                    has_paper = True
-            ax.plot(xs, means, "-o", color=color, linewidth=2, markersize=4)
-        ax.set_xscale("log")
-        fractions = sorted({t.train_fraction * 100 for t in tasks})
-        ax.set_xticks(fractions, [f"{x:g}" for x in fractions])  # a tick at every fraction trained on
-        ax.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
-        ax.set_xlabel("training fraction (% of all pairs)")
-        ax.set_ylabel(label)
-        if percent_axis:
-            ax.set_ylim(0, 105)
-        ax.grid(alpha=0.3, which="both")
+    for row, tasks in zip(axes, sweeps, strict=True):
+        for ax, label in zip(row, labels, strict=True):
+            has_paper = _draw_sweep(ax, result, tasks, label) or has_paper
+            if len(sweeps) > 1:
+                ax.set_title(_sweep_title(result, tasks))
     fig.suptitle("Final metric against the fraction of the data trained on")
     extra = [(Line2D([], [], marker="*", color="grey", markeredgecolor="black", markersize=10, linestyle="none"),
               "paper")] if has_paper else []
     _legend(fig, result, None, extra, seed_marker="o")
     return fig
+
+
+def _draw_sweep(ax, result: ResultSet, tasks: list[TaskInfo], label: str) -> bool:
+    """One panel of ``fraction_sweep``; whether it drew a paper value."""
+    percent_axis, has_paper = True, False
+    for init in result.inits:
+        color, xs, means = _color(result, init.label), [], []
+        for task in tasks:
+            metric = next((m for m in task.metrics if m.label == label), None)
+            if metric is None:
+                continue
+            percent_axis = percent_axis and metric.scale == 100
+            x = task.train_fraction * 100
+            values = [r.values[metric.tag] * metric.scale for r in result.runs_of(task.name, init.label)
+                      if metric.tag in r.values]
+            ax.plot([x] * len(values), values, "o", color=color, alpha=0.3, markersize=4)
+            if values:
+                xs.append(x)
+                means.append(statistics.mean(values))
+            paper = (paper_results.paper_value(result.paper_tables, task.paper, init.name, metric.paper)
+                     if result.paper_tables and metric.paper else None)
+            if paper is not None:
+                ax.plot([x], [paper], "*", color=color, markeredgecolor="black", markersize=11)
+                has_paper = True
+        ax.plot(xs, means, "-o", color=color, linewidth=2, markersize=4)
+    ax.set_xscale("log")
+    fractions = sorted({t.train_fraction * 100 for t in tasks})
+    ax.set_xticks(fractions, [f"{x:g}" for x in fractions])  # a tick at every fraction trained on
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
+    ax.set_xlabel("training fraction (% of all pairs)")
+    ax.set_ylabel(label)
+    if percent_axis:
+        ax.set_ylim(0, 105)
+    ax.grid(alpha=0.3, which="both")
+    return has_paper
 
 
 def attention_figure(result: ResultSet, task: TaskInfo) -> Figure | None:

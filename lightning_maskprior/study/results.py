@@ -2,7 +2,7 @@
 run directories (``collect``) and read back without them (``load``), so a committed copy regenerates everything.
 
     study.json          what was measured: title, seeds, the paper's tables, the tasks (metrics, curve tags,
-                        training fraction, the paper's task key) and the init methods
+                        training fraction and the task without it, the paper's task key) and the init methods
     results.csv         one row per run: status, wall seconds, precision, the last value of each metric, the
                         persistence score at the end and the half-life, the error of a failed run, and the run's
                         fingerprint (``Run.fingerprint``: its command and config contents, without paths)
@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_maskprior.metrics import HALF_LIFE, PERSISTENCE, SCORE
-from lightning_maskprior.run import atomic
+from lightning_maskprior.run import atomic, config_files
 from lightning_maskprior.run.config_files import option_values
 from lightning_maskprior.run.rundir import ResultDir, StudyRunDir
 from lightning_maskprior.run.status import FINISHED
-from lightning_maskprior.study.spec import Metric, Run, Study
+from lightning_maskprior.study.spec import Metric, Run, Study, TaskEntry, composed_config
 
 MAX_POINTS = 120  # per (run, tag) series in curves.csv.gz: enough for a smooth line, small enough to commit
 FRACTION_OPTION = "--data.init_args.train_fraction"
@@ -47,7 +47,8 @@ class TaskInfo:
     paper: str  # the task's key in paper_results.TABLES
     metrics: list[Metric]
     curves: list[str]
-    train_fraction: float | None = None  # from the task's --data.init_args.train_fraction, if it sets one
+    train_fraction: float | None = None  # what the task's configs and arguments set (``task_fraction``), if anything
+    series: str | None = None  # the task without its fraction (``sweep_series``): tasks that share it form one sweep
 
 
 @dataclass
@@ -100,6 +101,29 @@ def train_fraction(args: list[str]) -> float | None:
         return None
 
 
+def task_fraction(study: Study, task: TaskEntry) -> float | None:
+    """The training fraction a task's runs train on: the last ``--data.init_args.train_fraction`` of the study's and
+    the task's arguments, else what the CLI's default configs and the task's config files compose to (None where
+    neither sets one, or the value is not a number)."""
+    value = train_fraction([*study.args, *task.args])
+    if value is not None:
+        return value
+    data = composed_config([*config_files.default_files(), *task.config]).get("data")
+    data = data if isinstance(data, dict) else {}
+    init_args = data.get("init_args")
+    value = (init_args if isinstance(init_args, dict) else data).get("train_fraction")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def sweep_series(study: Study, task: TaskEntry) -> str:
+    """A task without its training fraction, as text: its config files (by name) and its and the study's arguments
+    less ``--data.init_args.train_fraction``. Tasks with the same series differ by their fraction alone."""
+    args = [str(a) for a in [*study.args, *task.args]]
+    dropped = {i for index, _, _, inline in option_values(args, (FRACTION_OPTION,))
+               for i in ((index,) if inline else (index - 1, index))}
+    return " ".join([*(Path(c).name for c in task.config), *(a for i, a in enumerate(args) if i not in dropped)])
+
+
 def init_variant(configs: list[Path], args: list[str]) -> str:
     """What an init entry adds to its method's task defaults: its config files (by name) and arguments."""
     return " ".join([*(Path(c).name for c in configs), *args])
@@ -112,8 +136,9 @@ def study_info(study: Study) -> dict[str, Any]:
         "study_file": study.path.name if study.path is not None else None,
         "seeds": list(study.seeds),
         "paper_tables": list(study.paper_tables),
-        "tasks": [{"name": t.name, "paper": t.paper, "train_fraction": train_fraction([*study.args, *t.args]),
-                   "metrics": [asdict(m) for m in t.metrics], "curves": list(t.curves)} for t in study.tasks],
+        "tasks": [{"name": t.name, "paper": t.paper, "train_fraction": task_fraction(study, t),
+                   "series": sweep_series(study, t), "metrics": [asdict(m) for m in t.metrics],
+                   "curves": list(t.curves)} for t in study.tasks],
         "inits": [{"name": i.name, "label": i.label, "variant": init_variant(i.config, i.args)} for i in study.inits],
     }
 
@@ -397,7 +422,7 @@ def load(path: str | Path, maps: bool = True) -> ResultSet:
                                     "it; `maskprior study -c FILE --table_only true` rewrites it from the runs)")
     info = _study_info(path / ResultDir.STUDY)
     tasks = [TaskInfo(t["name"], t["paper"], [Metric(**m) for m in t["metrics"]], list(t["curves"]),
-                      t["train_fraction"]) for t in info["tasks"]]
+                      t["train_fraction"], t.get("series")) for t in info["tasks"]]
     inits = [InitInfo(i["name"], i["label"], i.get("variant")) for i in info["inits"]]
     runs = _results_rows(path / ResultDir.RESULTS, info)
     result = ResultSet(path, info["title"], list(info["seeds"]), [str(t) for t in info["paper_tables"]],

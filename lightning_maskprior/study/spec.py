@@ -497,11 +497,16 @@ def config_digest(paths: list[Path]) -> str:
     YAML counts as its text."""
     import hashlib
 
+    content = json.dumps(composed_config(paths), sort_keys=True, default=str)
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
+
+
+def composed_config(paths: list[Path]) -> Any:
+    """What config files compose to, as repeated ``-c`` composes them: their parsed YAML merged in order."""
     merged: Any = {}
     for path in paths:
         merged = merge_configs(merged, _parsed(Path(path)))
-    content = json.dumps(merged, sort_keys=True, default=str)
-    return hashlib.sha256(content.encode()).hexdigest()[:16]
+    return merged
 
 
 def merge_configs(base: Any, later: Any) -> Any:
