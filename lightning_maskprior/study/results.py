@@ -121,7 +121,7 @@ def sweep_series(study: Study, task: TaskEntry) -> str:
     args = [str(a) for a in [*study.args, *task.args]]
     dropped = {i for index, _, _, inline in option_values(args, (FRACTION_OPTION,))
                for i in ((index,) if inline else (index - 1, index))}
-    return " ".join([*(Path(c).name for c in task.config), *(a for i, a in enumerate(args) if i not in dropped)])
+    return init_variant(task.config, [a for i, a in enumerate(args) if i not in dropped])
 
 
 def init_variant(configs: list[Path], args: list[str]) -> str:
