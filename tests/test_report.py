@@ -243,10 +243,11 @@ def test_each_task_without_its_fraction_is_a_sweep_of_its_own(tmp_path, monkeypa
              {"name": "addition_10pct", "config": addition, "args": [f"{fraction}=0.1"]}]
     metric = {"tag": "test/acc", "label": "seq acc %", "scale": 100, "paper": "seq_acc"}
     path = write_result_dir(tmp_path / "sweeps", curves=False, tasks=tasks, metrics=[metric], paper_tables=["2"])
-    loaded = load(path).tasks
+    result = load(path)
+    loaded = result.tasks
     assert [t.train_fraction for t in loaded] == [0.01, 0.03, 0.03, 0.004, 0.1]
     assert loaded[0].series == loaded[1].series != loaded[2].series  # the weight decay is another task
-    axes = figures(load(path))["fraction_sweep"].axes
+    axes = figures(result)["fraction_sweep"].axes
     assert [ax.get_title() for ax in axes] == ["multiplication", "addition"]  # a row per sweep
     mean_lines = [[line for line in ax.get_lines() if line.get_linestyle() == "-"] for ax in axes]
     assert [list(line.get_xdata()) for line in mean_lines[0]] == [[1.0, 3.0]] * len(INITS)  # not the wd task
@@ -264,6 +265,21 @@ def test_missing_curves_give_tables_and_a_note(result_dir, capsys):
     md = (result_dir / "table.md").read_text()
     assert "No curves.csv.gz here" in md and "## Figures" not in md
     assert not (result_dir / "figures").exists()
+
+
+def test_runs_without_curves_are_named(result_dir):
+    """A run kept from a result directory without its curves is in the tables but not in the curve figures: the
+    table's notes name it, so a published figure with a missing line says why."""
+    path = result_dir / ResultDir.CURVES
+    with gzip.open(path, "rt", newline="") as f:
+        rows = list(csv.reader(f))
+    with gzip.open(path, "wt", newline="") as f:
+        csv.writer(f).writerows(row for row in rows if row[:3] != ["2parity", "mask", "1"])
+    md = render(result_dir, figures=False).read_text()
+    assert "- 1 finished run(s) have no curves in curves.csv.gz" in md and "leave them out: 2parity/mask/seed1." in md
+    with gzip.open(path, "wt", newline="") as f:
+        csv.writer(f).writerows(rows)
+    assert "no curves in curves.csv.gz" not in render(result_dir, figures=False).read_text()
 
 
 # ------------------------------------------------------------------------------------- command, README

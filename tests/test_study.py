@@ -682,6 +682,7 @@ def test_killed_study_leaves_no_live_run(tmp_path):
             study.wait()
     result = json.loads((out / "2parity/mask/seed0/result.json").read_text())  # the cell outlived its fit
     assert result["status"] == "interrupted"
+    assert result["error"].startswith("interrupted during fit (exit code")  # not the fit's last line of stderr
 
 
 # ------------------------------------------------------------------------------ reliability of a study

@@ -254,7 +254,9 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         result["metrics"] = last_scalars(run_dir)
     else:
         result["metrics"] = {}
-    if status != "ok":
+    if status == "interrupted":  # stopped from outside: its stderr's last line (a warning, say) is no cause
+        result["error"] = f"interrupted during {stage} (exit code {rc}); running the study again resumes it"
+    elif status != "ok":
         result["error"] = error or f"exit code {rc}"
     write_json(files.result, result)
     return result

@@ -257,7 +257,7 @@ def _sweeps(result: ResultSet) -> list[list[TaskInfo]]:
 def _sweep_title(result: ResultSet, tasks: list[TaskInfo]) -> str:
     """A sweep's name: the paper's task key of its task that the paper's tables have, else its series."""
     for task in tasks:
-        if any(task.paper in paper_results.TABLES.get(t, {}).get("results", {}) for t in result.paper_tables):
+        if paper_results.has_task(result.paper_tables, task.paper):
             return task.paper
     return tasks[0].series or tasks[0].name
 

@@ -136,3 +136,8 @@ def paper_value(tables: list[str], task: str, method: str, metric: str) -> float
         if value is not None:
             return value
     return None
+
+
+def has_task(tables: list[str], task: str | None) -> bool:
+    """Whether any of ``tables`` has a row for ``task`` (the paper's key of a study task)."""
+    return task is not None and any(task in TABLES.get(table, {}).get("results", {}) for table in tables)

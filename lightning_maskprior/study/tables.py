@@ -39,6 +39,15 @@ def method_label(init: InitInfo) -> str:
     return paper_results.VARIANT_LABELS.get(init.label, init.label)
 
 
+def _without_curves(result: ResultSet) -> list[str]:
+    """The ok runs of a result directory with curves.csv.gz that have no point in it (none if it has no file)."""
+    if result.curves is None:
+        return []
+    with_curves = {key[:3] for key in result.curves}
+    return [f"{r.task}/{r.init}/seed{r.seed}" for r in result.runs
+            if r.status == "ok" and (r.task, r.init, r.seed) not in with_curves]
+
+
 def _never_logged(result: ResultSet) -> list[str]:
     """``task: tag`` for each metric of a task that none of its finished runs logged (a misspelt tag)."""
     never = []
@@ -229,6 +238,12 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
     if never:
         lines.append(f"- **Warning**: no finished run logged {', '.join(never)}; its cells are empty (is the tag "
                      "spelt as the runs log it? `tensorboard --logdir <run>` lists them).")
+    bare = _without_curves(result)
+    if bare:
+        shown = ", ".join(bare[:6]) + (f" and {len(bare) - 6} more" if len(bare) > 6 else "")
+        lines.append(f"- {len(bare)} finished run(s) have no curves in curves.csv.gz (they logged none of their task's "
+                     "`curves` tags, or were kept from a result directory without their curves), so the curve figures "
+                     f"leave them out: {shown}.")
     if result.curves is None:
         lines.append("- No curves.csv.gz here: the figures need the runs' curves (run the study again, then "
                      "`maskprior report`).")
