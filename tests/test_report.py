@@ -409,6 +409,18 @@ def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch, ca
     assert both.curves[("2parity", "mask", 0, "val/acc")] == again.curves[("2parity", "mask", 0, "val/acc")]
     assert np.array_equal(both.maps[("2parity", "mask")]["end"], again.maps[("2parity", "mask")]["end"])
     assert not (joined / "2parity").exists()
+    # A directory joined from tables alone (no curves.csv.gz, no maps), listed first, gives the rows; each run's
+    # curves and maps come from the next directory that has them.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("study.json", "results.csv"):
+        shutil.copyfile(moved / name, bare / name)
+    config = {**config, "out_dir": str(tmp_path / "rejoined"), "results_from": [str(bare), str(moved)]}
+    assert run_study(load_study(config, path), log=lambda *a, **k: None) == 0
+    rejoined = load(tmp_path / "rejoined")
+    assert rejoined.runs_of("2parity", "mask") == again.runs_of("2parity", "mask")
+    assert rejoined.curves[("2parity", "mask", 0, "val/acc")] == again.curves[("2parity", "mask", 0, "val/acc")]
+    assert np.array_equal(rejoined.maps[("2parity", "mask")]["end"], again.maps[("2parity", "mask")]["end"])
     with pytest.raises(StudyError, match="results_from: '.*nowhere' is not a study's result directory"):
         load_study({**config, "results_from": str(tmp_path / "nowhere")})
     with pytest.raises(StudyError, match="results_from: '.*nowhere' is not a study's result directory"):

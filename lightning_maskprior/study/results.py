@@ -187,8 +187,9 @@ def collect(study: Study, curves: bool = True) -> None:
 
 def load_previous(study: Study, maps: bool = True) -> ResultSet | None:
     """The result directories of ``study.results_from`` read as one (None if there are none): for each run of the
-    study, the row of the first directory that finished it with the run's fingerprint, with that directory's
-    curves of it (and its maps, for the first seed). Rows that match no run of the study are left out."""
+    study, the row of the first directory that finished it with the run's fingerprint, and its curves (and its maps,
+    for the first seed) from the first such directory that has them: a directory joined from tables alone may hold
+    the row of a run whose curves are in another. Rows that match no run of the study are left out."""
     sets = [load(path, maps=maps) for path in study.results_from]
     if len(sets) <= 1:
         return sets[0] if sets else None
@@ -196,15 +197,21 @@ def load_previous(study: Study, maps: bool = True) -> ResultSet | None:
     merged = ResultSet(sets[0].path, sets[0].title, sets[0].seeds, sets[0].paper_tables, sets[0].tasks,
                        sets[0].inits, runs=[], curves={}, maps={} if maps else None)
     taken: set[tuple[str, str, int]] = set()
+    with_curves: set[tuple[str, str, int]] = set()
     for found in sets:
         for row in found.runs:
             key = (row.task, row.init, row.seed)
-            if key in taken or row.status not in FINISHED or not row.fingerprint or wanted.get(key) != row.fingerprint:
+            if row.status not in FINISHED or not row.fingerprint or wanted.get(key) != row.fingerprint:
                 continue
-            taken.add(key)
-            merged.runs.append(row)
-            merged.curves.update({k: v for k, v in (found.curves or {}).items() if k[:3] == key})
-            if maps and row.seed == study.seeds[0] and (row.task, row.init) in (found.maps or {}):
+            if key not in taken:
+                taken.add(key)
+                merged.runs.append(row)
+            if key not in with_curves:
+                curves = {k: v for k, v in (found.curves or {}).items() if k[:3] == key}
+                merged.curves.update(curves)
+                with_curves.update([key] if curves else [])
+            if maps and row.seed == study.seeds[0] and (row.task, row.init) not in merged.maps \
+                    and (row.task, row.init) in (found.maps or {}):
                 merged.maps[(row.task, row.init)] = found.maps[(row.task, row.init)]
     return merged
 
