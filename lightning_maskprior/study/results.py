@@ -209,7 +209,8 @@ def load_previous(study: Study, maps: bool = True) -> ResultSet | None:
             if key not in with_curves:
                 curves = {k: v for k, v in (found.curves or {}).items() if k[:3] == key}
                 merged.curves.update(curves)
-                with_curves.update([key] if curves else [])
+                if curves:
+                    with_curves.add(key)
             if maps and row.seed == study.seeds[0] and (row.task, row.init) not in merged.maps \
                     and (row.task, row.init) in (found.maps or {}):
                 merged.maps[(row.task, row.init)] = found.maps[(row.task, row.init)]
