@@ -336,14 +336,6 @@ def test_readme_results_are_what_report_generates():
     assert replaced, "the README has no generated results section"
 
 
-def test_every_published_result_is_in_the_sites_nav():
-    """Each docs/results/<name>/table.md is a page of the site's Results section (mkdocs only notes, at info level,
-    a page left out of the nav, so a new result directory would otherwise be reachable from no menu)."""
-    nav = (ROOT / "mkdocs.yml").read_text()
-    tables = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs/results").glob("*/table.md"))
-    assert tables and [t for t in tables if f": {t}" not in nav] == []
-
-
 # -------------------------------------------------------------------------------- a real tiny study
 def test_tiny_study_writes_the_data_files_report_needs(tmp_path, monkeypatch, capsys):
     """Real runs: the study's data files alone (no run directory) regenerate its tables, as --table_only does."""
