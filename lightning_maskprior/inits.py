@@ -243,11 +243,29 @@ def _normed_positions(backbone: nn.Module, init: str) -> list[Tensor]:
         return [norm(positions).float() for norm in norms]
 
 
-def _set_query_key(layer: PriorCarrier, wq: Tensor, wk: Tensor) -> None:
-    """Write per-head (heads, head_dim, dim) Wq and Wk into the layer's projections (zero-padded); zero their biases."""
+def _fitted_layers(init: str, layers: list[int] | None, norm: str, count: int) -> set[int]:
+    """The attention layers (0 nearest the input) whose Wq/Wk an init fits, ``layers`` or every one, once its
+    ``layers`` and ``norm`` options are known to be valid."""
+    if norm not in ("fitted", "default"):
+        raise ValueError(f"init method {init!r}: init_options.norm must be 'fitted' or 'default', got {norm!r}")
+    if layers is None:
+        return set(range(count))
+    valid = bool(layers) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in layers)
+    if not valid:
+        raise ValueError(f"init method {init!r}: init_options.layers must list attention layers among "
+                         f"0..{count - 1} (the backbone has {count}), got {layers!r}")
+    return set(layers)
+
+
+def _set_query_key(layer: PriorCarrier, wq: Tensor, wk: Tensor, norm: str = "fitted") -> None:
+    """Write per-head (heads, head_dim, dim) Wq and Wk into the layer's projections (zero-padded); zero their biases.
+
+    ``norm="default"`` rescales each head's Wq and Wk to the Frobenius norm the layer's own init gave it."""
     q, k = layer.query_key_weights()
     with torch.no_grad():
         for target, value in ((q, wq), (k, wk)):
+            if norm == "default":
+                value = value * (target.norm(dim=(-2, -1)) / value.norm(dim=(-2, -1)).clamp_min(1e-12))[:, None, None]
             target.zero_()
             rows, cols = value.shape[-2], value.shape[-1]
             target[:, :rows, :cols] = value.to(target.dtype)
@@ -299,7 +317,8 @@ def _fit_svd_layer(backbone: nn.Module, positions: Tensor, target: Tensor, head_
 
 @register_init("qk_svd", uses_structure=True)
 def qk_svd_init(backbone: nn.Module, structure: Structure, open_value: float = 10000.0,
-                closed_value: float = 0.0, pos_scale: PositiveFloat = 18.0, qk_scale: PositiveFloat = 7.0) -> None:
+                closed_value: float = 0.0, pos_scale: PositiveFloat = 18.0, qk_scale: PositiveFloat = 7.0,
+                layers: list[int] | None = None, norm: Literal["fitted", "default"] = "fitted") -> None:
     """Structured QK by SVD (Zheng et al. 2025): the structure's logit pattern put into Wq, Wk.
 
     The target ``open_value``/``closed_value`` pattern is mapped through the pseudo-inverse of the
@@ -308,14 +327,20 @@ def qk_svd_init(backbone: nn.Module, structure: Structure, open_value: float = 1
     by ``pos_scale`` so that positions, not token content, dominate the normalised input (the
     normalisation itself undoes the scale, so the fit is unchanged). Defaults: the reference's
     (arithmetic pattern 10000 / 0, positions x18, QK x7).
+
+    ``layers`` (0 nearest the input; default every one) are the layers that get the structure; the others keep
+    the architecture's init. ``norm``: ``fitted`` keeps the fit's Wq, Wk (times ``qk_scale``); ``default`` rescales
+    each head's to the Frobenius norm the architecture's init gave it (the structure in their direction alone).
     """
     check_open_closed(open_value, closed_value)
     pairs = _structure_layers(backbone, structure)
+    fitted = _fitted_layers("qk_svd", layers, norm, len(pairs))
     _backbone_method(backbone, "scale_positional_embedding", "qk_svd")(pos_scale)
-    for (layer, open), positions in zip(pairs, _normed_positions(backbone, "qk_svd"), strict=True):
-        target = torch.where(open, float(open_value), float(closed_value)).expand(layer.num_heads, -1, -1)
-        wq, wk = _fit_svd_layer(backbone, positions, target, layer.head_dim)
-        _set_query_key(layer, qk_scale * wq, qk_scale * wk)
+    for index, ((layer, open), positions) in enumerate(zip(pairs, _normed_positions(backbone, "qk_svd"), strict=True)):
+        if index in fitted:
+            target = torch.where(open, float(open_value), float(closed_value)).expand(layer.num_heads, -1, -1)
+            wq, wk = _fit_svd_layer(backbone, positions, target, layer.head_dim)
+            _set_query_key(layer, qk_scale * wq, qk_scale * wk, norm)
         layer.clear_prior()
 
 
@@ -381,7 +406,8 @@ def _attention_inputs(backbone: nn.Module, inputs, index: int) -> Tensor:
 @register_init("qk_opt", uses_structure=True)
 def qk_opt_init(backbone: nn.Module, structure: Structure, steps: PositiveInt = 2000, lr: PositiveFloat = 1e-4,
                 renorm_every: NonNegativeInt = 100, fit_on: Literal["positions", "inputs"] = "positions",
-                probe_size: PositiveInt = 256, pos_scale: PositiveFloat = 1.0, qk_scale: PositiveFloat = 1.0) -> None:
+                probe_size: PositiveInt = 256, pos_scale: PositiveFloat = 1.0, qk_scale: PositiveFloat = 1.0,
+                layers: list[int] | None = None, norm: Literal["fitted", "default"] = "fitted") -> None:
     """Structured QK by optimisation (Zheng et al. 2024): fit Wq, Wk so attention matches the structure.
 
     Each layer's Wq, Wk are fitted with Adam (``steps``, ``lr``; every ``renorm_every`` steps the
@@ -394,12 +420,13 @@ def qk_opt_init(backbone: nn.Module, structure: Structure, steps: PositiveInt = 
       ``backbone.example_inputs``; layers are fitted in order, each seeing the layers before it
       already initialised, so the fit holds on real inputs at step 0.
 
-    ``qk_scale`` multiplies the fitted Wq and Wk. Defaults: the paper's arithmetic runs (2000 steps,
-    lr 1e-4, renormalise every 100).
+    ``qk_scale`` multiplies the fitted Wq and Wk; ``layers`` and ``norm`` as in :func:`qk_svd_init`. Defaults:
+    the paper's arithmetic runs (2000 steps, lr 1e-4, renormalise every 100).
     """
     if fit_on not in ("positions", "inputs"):
         raise ValueError(f"fit_on must be 'positions' or 'inputs', got {fit_on!r}")
     pairs = _structure_layers(backbone, structure)
+    chosen = _fitted_layers("qk_opt", layers, norm, len(pairs))
     if pos_scale != 1.0:
         _backbone_method(backbone, "scale_positional_embedding", "qk_opt")(pos_scale)
     if fit_on == "positions":
@@ -408,6 +435,9 @@ def qk_opt_init(backbone: nn.Module, structure: Structure, steps: PositiveInt = 
         probe = _backbone_method(backbone, "example_inputs", "qk_opt")(probe_size)
     fitted: dict[bytes, tuple[Tensor, Tensor]] = {}
     for index, (layer, open) in enumerate(pairs):
+        if index not in chosen:
+            layer.clear_prior()
+            continue
         target = (open.float() / open.sum(-1, keepdim=True)).expand(layer.num_heads, -1, -1)
         if fit_on == "positions":
             key = open.numpy().tobytes() + positions[index].numpy().tobytes()
@@ -418,7 +448,7 @@ def qk_opt_init(backbone: nn.Module, structure: Structure, steps: PositiveInt = 
             layer.clear_prior()
             seen = _attention_inputs(backbone, probe, index)
             wq, wk, _ = fit_query_key(seen, target, layer.head_dim, steps, lr, renorm_every)
-        _set_query_key(layer, qk_scale * wq, qk_scale * wk)
+        _set_query_key(layer, qk_scale * wq, qk_scale * wk, norm)
         layer.clear_prior()
 
 

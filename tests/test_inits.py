@@ -234,3 +234,49 @@ def test_extras_need_the_backbone_method():
     layer_only = torch.nn.Sequential(PriorAttention(16, 2))
     with pytest.raises(ValueError, match="scale_positional_embedding"):
         apply_init("mask", layer_only, spec.structure, pos_scale=18.0)
+
+
+# ------------------------------------------------ the query/key baselines' ablation options
+def _tiny_backbone(seed: int = 0) -> tuple[TokenTransformer, priors.Structure]:
+    torch.manual_seed(seed)
+    spec = BooleanGOTUDataModule("2parity", n=6).task_spec()
+    return TokenTransformer(spec, dim=16, depth=3, num_heads=2, head_dim=8, mlp_dim=16), spec.structure
+
+
+@pytest.mark.parametrize("init", ["qk_svd", "qk_opt"])
+def test_query_key_inits_fit_only_the_layers_asked_for(init):
+    plain, structure = _tiny_backbone()
+    chosen, _ = _tiny_backbone()
+    apply_init(init, chosen, structure, layers=[1], **({"steps": 20} if init == "qk_opt" else {}))
+    for index, (a, b) in enumerate(zip(attention_layers(plain), attention_layers(chosen), strict=True)):
+        same = all(torch.equal(x, y) for x, y in zip(a.query_key_weights(), b.query_key_weights(), strict=True))
+        assert same == (index != 1), index
+
+
+@pytest.mark.parametrize("init", ["qk_svd", "qk_opt"])
+def test_query_key_inits_can_keep_the_architectures_norm(init):
+    plain, structure = _tiny_backbone()
+    fitted, default = _tiny_backbone(), _tiny_backbone()
+    options = {"steps": 20} if init == "qk_opt" else {}
+    torch.manual_seed(1)  # qk_opt's fit starts from random weights: the same for both
+    apply_init(init, fitted[0], structure, **options)
+    torch.manual_seed(1)
+    apply_init(init, default[0], structure, norm="default", **options)
+    for base, fit, kept in zip(*(attention_layers(m) for m in (plain, fitted[0], default[0])), strict=True):
+        for w0, w1, w2 in zip(base.query_key_weights(), fit.query_key_weights(), kept.query_key_weights(),
+                              strict=True):
+            norms = [w.norm(dim=(-2, -1)) for w in (w0, w1, w2)]
+            assert torch.allclose(norms[2], norms[0], rtol=1e-5) and not torch.allclose(norms[1], norms[0], rtol=1e-2)
+            cosine = (w1 * w2).sum(dim=(-2, -1)) / (norms[1] * norms[2])
+            assert torch.allclose(cosine, torch.ones_like(cosine), atol=1e-5)  # the same direction
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"layers": [3]}, "init_options.layers must list attention layers among 0..2"),
+    ({"layers": []}, "init_options.layers must list"),
+    ({"norm": "unit"}, "init_options.norm must be 'fitted' or 'default', got 'unit'"),
+])
+def test_query_key_ablation_options_refuse_bad_values(options, message):
+    backbone, structure = _tiny_backbone()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        apply_init("qk_svd", backbone, structure, **options)
