@@ -60,3 +60,24 @@ def test_seen_mse_from_a_study_s_curves(tmp_path):
 def test_seen_mse_names_a_study_without_curves(tmp_path):
     proc = run(ROOT / "scripts/seen_mse.py", tmp_path)
     assert proc.returncode != 0 and "curves.csv.gz does not exist" in proc.stderr
+
+
+def test_loss_reading_rules_out_a_loss_below_what_the_wrong_digits_cost(tmp_path):
+    """A wrong digit costs more than ln 2 nats: the paper's multiplication mask (94.13% of digits, loss 0.20) cannot
+    be a sum over its 6 digits (>= 6 * 0.0587 * ln 2 = 0.244), and a run of ours is read per wrong digit."""
+    study = tmp_path / "study"
+    study.mkdir()
+    with open(study / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["task", "init", "seed", "status", "test/digit_acc", "test/loss"])
+        writer.writeheader()
+        writer.writerows([{"task": "multiplication_dependency_rows", "init": "mask", "seed": seed, "status": "ok",
+                           "test/digit_acc": acc, "test/loss": loss} for seed, acc, loss in ((0, 0.9, 0.3),
+                                                                                            (1, 0.8, 0.9))])
+    proc = run(ROOT / "scripts/loss_reading.py", study)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    mask = next(line for line in lines if line.startswith("| paper | multiplication | Mask |"))
+    assert "| 0.041 (fits) | 0.244 (impossible) | 3.41 |" in mask
+    ours = next(line for line in lines if line.startswith("| study (2 seeds) | multiplication |"))
+    assert "| 85.00 | 0.600 | 0.104 (fits) | - | 4.00 |" in ours  # mean acc 0.85, loss 0.6: 0.6 / 0.15 nats
+    assert "allows eps <= 0.033" in proc.stdout
