@@ -72,6 +72,12 @@ class InjectedAttention(PriorAttention):
         _save_scale(self, destination, prefix)
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        """The saved prior as it was saved: its shape (one M for all heads or one per head), scale and trainability
+        replace the layer's."""
+        for name in _prior_names(state_dict, prefix):
+            held = getattr(self, name, None)
+            if held is not None and held.shape != state_dict[prefix + name].shape:
+                setattr(self, name, None)
         _load_prior(self, state_dict, prefix, args, scale_key=True)
 
 
@@ -397,6 +403,12 @@ class HFPrior(PriorCarrier):
             destination[prefix + _TRAINABLE_KEY] = torch.tensor(self._trainable())
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        """The saved prior as it was saved: its shape (one M for all heads or one per head), scale and trainability
+        replace the layer's."""
+        for name in _prior_names(state_dict, prefix):
+            held = getattr(self, name, None)
+            if held is not None and held.shape != state_dict[prefix + name].shape:
+                setattr(self, name, None)
         _load_prior(self, state_dict, prefix, args, scale_key=True)
         trainable = state_dict.get(prefix + _TRAINABLE_KEY)
         if trainable is not None:
