@@ -34,8 +34,10 @@ Anything else that attends is refused, naming its class.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,6 +72,12 @@ class InjectedAttention(PriorAttention):
         _save_scale(self, destination, prefix)
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        """The saved prior as it was saved: its shape (one M for all heads or one per head), scale and trainability
+        replace the layer's."""
+        for name in _prior_names(state_dict, prefix):
+            held = getattr(self, name, None)
+            if held is not None and held.shape != state_dict[prefix + name].shape:
+                setattr(self, name, None)
         _load_prior(self, state_dict, prefix, args, scale_key=True)
 
 
@@ -241,9 +249,10 @@ def set_prior(model: nn.Module, priors: list[ExportedPrior | Tensor | None]) -> 
 
 
 # A prior in a state dict: M (``prior_logits``, or the parameters of another parameterisation), created on loading
-# where the layer has none yet; and its scale, saved where it is not 1 (so a checkpoint without a scaled prior has
-# the keys it always had).
+# where the layer has none yet; and its scale, saved by a timm layer where it is not 1 (so a checkpoint without a
+# scaled prior has the keys it always had), by a Hugging Face one always, with whether M trains.
 _SCALE_KEY = "prior_scale"
+_TRAINABLE_KEY = "prior_trainable"  # Hugging Face layers: whether M trains (saved with M, like their scale)
 
 
 def _prior_parameters(layer: nn.Module) -> list[nn.Parameter]:
@@ -264,7 +273,8 @@ def _prior_names(state_dict: dict, prefix: str) -> list[str]:
     """The prior parameters (``prior_logits``, ``prior_offsets``...) that ``state_dict`` holds for the layer at
     ``prefix``."""
     names = (key[len(prefix):] for key in state_dict if key.startswith(prefix))
-    return [name for name in names if name.startswith("prior_") and "." not in name and name != _SCALE_KEY]
+    return [name for name in names if name.startswith("prior_") and "." not in name
+            and name not in (_SCALE_KEY, _TRAINABLE_KEY)]
 
 
 def _load_prior(layer: PriorCarrier, state_dict: dict, prefix: str, args: tuple, scale_key: bool) -> None:
@@ -286,9 +296,14 @@ def _load_prior(layer: PriorCarrier, state_dict: dict, prefix: str, args: tuple,
     key = prefix + _SCALE_KEY
     if scale_key and key in state_dict:
         layer.prior_scale = float(state_dict[key])
-        unexpected = args[3]  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if key in unexpected:
-            unexpected.remove(key)
+        _drop_unexpected(args, key)
+
+
+def _drop_unexpected(args: tuple, key: str) -> None:
+    """``key`` is read by the layer: no unexpected key of ``load_state_dict``."""
+    unexpected = args[3]  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    if key in unexpected:
+        unexpected.remove(key)
 
 
 def remove_prior(model: nn.Module) -> nn.Module:
@@ -356,8 +371,55 @@ class HFPrior(PriorCarrier):
             records[str(self.index)] = entry
         setattr(config, HF_IMPLEMENTATION, dict(sorted(records.items(), key=lambda item: int(item[0]))) or None)
 
+    @property
+    def prior_size(self) -> int:
+        """N: the tokens the prior has rows and columns for (0 without a prior)."""
+        held = self.prior_parameters()
+        if "prior_logits" in held:
+            return held["prior_logits"].shape[-1]
+        if "prior_left" in held:
+            return held["prior_left"].shape[-2]
+        if "prior_prefix_rows" in held:
+            return held["prior_prefix_rows"].shape[-1]
+        if "prior_offsets" in held:
+            return ((held["prior_offsets"].shape[1] + 1) // 2) * ((held["prior_offsets"].shape[2] + 1) // 2)
+        return 0
+
+    def __deepcopy__(self, memo: dict) -> HFPrior:
+        """A copy that serves the same attention module, or that module's copy where the whole model is copied:
+        PEFT copies the prior alone (``modules_to_save``), which must not copy the model's weights with it."""
+        module = self._module[0]
+        memo[id(self._module)] = [memo.get(id(module), module)]
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
+        return copied
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """M, and beside it its scale and whether it trains (``prior_scale``, ``prior_trainable``)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.has_prior:
+            destination[prefix + _SCALE_KEY] = torch.tensor(float(self.prior_scale))
+            destination[prefix + _TRAINABLE_KEY] = torch.tensor(self._trainable())
+
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
-        _load_prior(self, state_dict, prefix, args, scale_key=False)
+        """The saved prior as it was saved: its shape (one M for all heads or one per head), scale and trainability
+        replace the layer's."""
+        for name in _prior_names(state_dict, prefix):
+            held = getattr(self, name, None)
+            if held is not None and held.shape != state_dict[prefix + name].shape:
+                setattr(self, name, None)
+        _load_prior(self, state_dict, prefix, args, scale_key=True)
+        trainable = state_dict.get(prefix + _TRAINABLE_KEY)
+        if trainable is not None:
+            for param in _prior_parameters(self):
+                param.requires_grad_(bool(trainable))
+            _drop_unexpected(args, prefix + _TRAINABLE_KEY)
+        if self.has_prior:
+            self._record({"scale": float(self.prior_scale), "trainable": self._trainable()})
+
+    def _trainable(self) -> bool:
+        return any(param.requires_grad for param in _prior_parameters(self))
 
     def _projections(self, grad: bool = False) -> tuple[Tensor | None, ...]:
         """Wq, Wk, Wv (inner, dim), Wproj (dim, inner) in (out, in) layout, and the query and key biases (None where
@@ -411,54 +473,94 @@ def _is_hf_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+POSITIONS_ARGUMENT = "maskprior_positions"  # each query's position in its own sequence (_positions_hook)
+
+# Arguments an attention function may receive that carry no term of the attention: the cache's and the layer's
+# bookkeeping, whatever release passes them. An argument outside these and the library's common ones
+# (``TransformersKwargs``) may be a term the injected attention would not compute, so it is refused by name.
+_BOOKKEEPING = frozenset({"dropout", "scaling", "use_cache", "cache", "past_key_values", "past_key_value",
+                          "cache_position", "layer_idx", "output_attentions", "head_mask", POSITIONS_ARGUMENT})
+_COMPUTED = frozenset({"softcap", "s_aux", "sliding_window"})  # computed here, or already in the mask
+
+
 def _known_arguments() -> frozenset[str]:
-    """The keyword arguments an attention function may receive that ``maskprior_attention`` knows: the library's
-    common ones (``TransformersKwargs``), those it computes (``softcap``, the sinks ``s_aux``), and those the mask
-    it is given already holds (``sliding_window``)."""
+    """The keyword arguments ``maskprior_attention`` accepts: the library's common ones, the bookkeeping ones and
+    those it computes (``softcap``, the sinks ``s_aux``) or its mask already holds (``sliding_window``)."""
     from transformers.utils import TransformersKwargs
 
-    return frozenset(TransformersKwargs.__annotations__) | {"dropout", "scaling", "use_cache", "sliding_window",
-                                                              "softcap", "s_aux"}
+    return frozenset(TransformersKwargs.__annotations__) | _BOOKKEEPING | _COMPUTED
+
+
+def _sequence_positions(args: tuple, kwargs: dict) -> Tensor | None:
+    """Each query token's position within its own sequence, (batch or 1, queries), from what the decoder is called
+    with: the 2-D attention mask (its real tokens counted, over the cache and the new tokens: left or right padding
+    shifts no sequence), else ``position_ids`` (packed sequences restart there), else the tokens the cache holds.
+    None where the call gives no tokens to count (the attention then counts the keys its mask opens)."""
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
+    if not isinstance(inputs, Tensor) or inputs.dim() < 2:
+        return None
+    queries = inputs.shape[1]
+    mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        return (mask.long().cumsum(-1) - 1)[:, -queries:]
+    if isinstance(position_ids, Tensor) and position_ids.dim() == 2:
+        return position_ids
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    seen = cache.get_seq_length() if cache is not None else 0
+    return (torch.arange(queries, device=inputs.device) + seen)[None]
+
+
+@torch.compiler.disable
+def _check_positions(positions: Tensor, size: int) -> None:
+    """Refuse a token past the prior: one host synchronisation per forward pass (run eagerly under compilation)."""
+    last = int(positions.max())
+    if last >= size:
+        raise ValueError(f"prior is {size}x{size} but the attention sees a token at position {last} (positions 0 to "
+                         f"{size - 1})")
+
+
+def _positions_hook(decoder: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the decoder (``model.base_model``): give its attention functions each query's position in
+    its own sequence (``maskprior_positions``), after checking that none is past the smallest prior."""
+    sizes = [prior.prior_size for module in _hf_attention_modules(decoder) if (prior := _prior_of(module))
+             and prior.has_prior]
+    if not sizes:
+        return None
+    positions = _sequence_positions(args, kwargs)
+    if positions is None:
+        return None
+    _check_positions(positions, min(sizes))
+    return args, {**kwargs, POSITIONS_ARGUMENT: positions}
 
 
 def _prior_at_positions(bias: Tensor, query: Tensor, key: Tensor, attention_mask: Tensor | None,
-                        position_ids: Tensor | None, module: nn.Module) -> Tensor:
+                        positions: Tensor | None) -> Tensor:
     """The prior's rows at the queries' positions and columns at the keys' positions: (B or 1, heads or 1, q, kv).
 
-    A query's position is its ``position_ids`` entry, as the model's own position embedding reads it (``generate``
-    numbers left-padded sequences from their first token). Without a cache the keys are the queries' tokens. With
-    one, the keys are the cache's slots, whatever the cache (dynamic, static, sliding window): the last query's own
-    key is the last key its row of the mask opens (nothing after it is visible), and the slots before it hold the
-    tokens before it, one position each. Slots no query sees (padding, a static cache's unfilled end) are clamped
-    into the prior; the mask keeps them closed.
+    A query's position is its place in its own sequence (``positions``, from ``_positions_hook``; without them the
+    number of keys its mask row opens, less one). A key's position is counted back from the query's along the row
+    of the model's mask: the keys a query sees are, in slot order, the tokens of its own sequence up to itself
+    (or its sliding window), one position each, whatever the cache holds and wherever padding or another packed
+    sequence sits. Keys a query does not see are clamped into the prior; the mask keeps them closed. Nothing here
+    reads a value back to the host, and no index leaves the prior.
     """
     n, q_len, kv_len = bias.shape[-1], query.shape[2], key.shape[2]
-    if position_ids is None:
-        raise ValueError(f"{type(module).__name__} passes no position_ids to its attention function: the injected "
-                         "prior cannot tell which of its rows a token takes")
-    queries = position_ids if position_ids.dim() == 2 else position_ids.reshape(1, -1)
-    if queries.shape[-1] != q_len:
-        raise ValueError(f"{type(module).__name__} passes position_ids of shape {tuple(position_ids.shape)} for "
-                         f"{q_len} queries; expected (batch, {q_len})")
-    if not torch.compiler.is_compiling():
-        last = int(queries.max())
-        if last >= n:
-            raise ValueError(f"prior is {n}x{n} but the attention sees a token at position {last} (positions 0 to "
-                             f"{n - 1})")
-    queries = queries.clamp(min=0)
-    if q_len == kv_len:
-        keys = queries
+    if attention_mask is None:  # causal, no padding: the queries are the last slots
+        slots = torch.arange(kv_len, device=query.device)
+        opened = (slots[None, :] <= slots[-q_len:, None])[None]
     else:
-        own = torch.full((1,), kv_len - 1, device=key.device)
-        if attention_mask is not None:
-            row = attention_mask[:, 0, -1, :]
-            opened = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
-            own = kv_len - 1 - opened.flip(-1).int().argmax(-1)  # the last open slot
-        slots = torch.arange(kv_len, device=key.device)
-        keys = (slots[None, :] - own[:, None] + queries[:, -1:]).clamp(0, n - 1)
-    if queries.shape[0] == 1 and keys.shape[0] == 1:
-        return bias.index_select(1, queries[0]).index_select(2, keys[0]).unsqueeze(0)
-    return bias[:, queries[:, :, None], keys[:, None, :]].transpose(0, 1)
+        row = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
+        if row.shape[0] > 1 and row.stride(0) == 0:  # one mask for the whole batch: count it once
+            row = row[:1]
+        opened = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    seen = opened.cumsum(-1)  # (B, q, kv): keys opened so far in each query's row
+    count = seen[..., -1:]
+    rows = count - 1 if positions is None else positions.reshape(-1, q_len, 1).to(seen.dtype)
+    columns = (rows - count + seen).clamp(0, n - 1)
+    rows = rows.clamp(0, n - 1).expand(columns.shape[0], q_len, 1)
+    picked = bias[:, rows[..., 0]]  # (heads, B, q, n)
+    return picked.gather(-1, columns.expand(bias.shape[0], *columns.shape)).transpose(0, 1)
 
 
 def _probabilities(query: Tensor, keys: Tensor, additive: Tensor | None, scale: float | None,
@@ -499,11 +601,12 @@ def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
         raise ValueError(f"{type(module).__name__} passes {sorted(unknown)} to its attention function, terms the "
                          "injected prior's attention does not compute; inject_prior cannot carry a prior in it")
     softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
-    prior = getattr(module, "maskprior", None)
-    bias = prior.attention_bias() if isinstance(prior, HFPrior) else None
-    recording = isinstance(prior, HFPrior) and prior.record_attention
+    positions = kwargs.pop(POSITIONS_ARGUMENT, None)
+    prior = _prior_of(module)
+    bias = prior.attention_bias() if prior is not None else None
+    recording = prior is not None and prior.record_attention
     if bias is not None:
-        bias = _prior_at_positions(bias, query, key, attention_mask, kwargs.get("position_ids"), module)
+        bias = _prior_at_positions(bias, query, key, attention_mask, positions)
     extra_terms = softcap is not None or sinks is not None
     explicit = extra_terms or (bias is not None and kernel_for(query.device.type) == "explicit")
     if explicit or recording:
@@ -523,6 +626,17 @@ def maskprior_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
         bias = bias.to(query.dtype)
         attention_mask = bias if attention_mask is None else attention_mask + bias
     return sdpa_attention_forward(module, query, key, value, attention_mask, **{**kwargs, "is_causal": False})
+
+
+def _prior_of(module: nn.Module) -> HFPrior | None:
+    """The prior acting in an attention module: its ``maskprior``, or under PEFT (``modules_to_save=["maskprior"]``)
+    the copy of the active adapter (the original where adapters are disabled)."""
+    prior = getattr(module, HF_IMPLEMENTATION, None)
+    copies = getattr(prior, "modules_to_save", None)  # PEFT's ModulesToSaveWrapper
+    if copies is not None:
+        active = [] if prior.disable_adapters else [name for name in prior.active_adapters if name in copies]
+        prior = copies[active[0]] if active else prior.original_module
+    return prior if isinstance(prior, HFPrior) else None
 
 
 def _register_hf() -> None:
@@ -573,29 +687,71 @@ def _inject_hf(model: nn.Module) -> None:
     _register_hf()
     previous = config._attn_implementation
     if previous != HF_IMPLEMENTATION:
+        _warn_flash(model, previous)
         try:
             model.set_attn_implementation(HF_IMPLEMENTATION)
         except (ValueError, AttributeError) as err:
             raise ValueError(f"{type(model).__name__} does not run its attention through transformers' attention "
                              f"registry ({err}); inject_prior cannot add a prior to it") from None
         model._maskprior_previous_attention = previous or "sdpa"
+        _probe(model)
     for index, layer in enumerate(layers):
-        if not isinstance(getattr(layer, "maskprior", None), HFPrior):
+        if not isinstance(getattr(layer, HF_IMPLEMENTATION, None), HFPrior):
             heads = int(getattr(layer, "num_heads", None) or config.num_attention_heads)
             head_dim = int(getattr(layer, "head_dim", None) or config.hidden_size // heads)
             layer.maskprior = HFPrior(layer, heads, head_dim, int(config.hidden_size), index)
+    if getattr(model, "_maskprior_hook", None) is None:
+        model._maskprior_hook = model.base_model.register_forward_pre_hook(_positions_hook, with_kwargs=True)
+
+
+def _warn_flash(model: nn.Module, previous: str | None) -> None:
+    """Flash attention takes no additive term: the model switches to the injected attention, and says so once."""
+    if previous and "flash" in previous:
+        warnings.warn(f"{type(model).__name__} was set to {previous}, which cannot add a prior to its logits; "
+                      f"inject_prior switches it to the injected attention ({HF_IMPLEMENTATION}: SDPA or the explicit "
+                      "kernel), and remove_prior switches it back", stacklevel=4)
+
+
+def _probe(model: nn.Module) -> None:
+    """One forward pass of two tokens, without a prior and without touching any random state: a model whose own
+    code cannot run the injected attention is refused now, with the model set back as it was."""
+    parameter = next(model.parameters())
+    if parameter.is_meta:  # not materialised yet: nothing can run
+        return
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=parameter.device)
+    devices = [parameter.device] if parameter.device.type != "cpu" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model(input_ids=tokens, use_cache=False)
+    except Exception as err:
+        model.set_attn_implementation(model.__dict__.pop("_maskprior_previous_attention"))
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"{type(model).__name__} cannot run the injected prior's attention (a forward pass fails: "
+                         f"{type(err).__name__}: {first}); inject_prior supports decoder-only causal language "
+                         f"models whose attention runs through transformers' attention functions (tested: "
+                         f"{TESTED_FAMILIES})") from None
 
 
 def _remove_hf(model: nn.Module) -> nn.Module:
-    for layer in _hf_attention_modules(model):
-        if isinstance(getattr(layer, "maskprior", None), HFPrior):
-            del layer.maskprior
-    if getattr(model.config, HF_IMPLEMENTATION, None) is not None:
-        setattr(model.config, HF_IMPLEMENTATION, None)
+    """Back to the model's own attention; the first step that can fail (setting the attention back) comes first, so
+    a failure leaves the model injected as it was."""
     previous = getattr(model, "_maskprior_previous_attention", None)
     if previous is not None:
-        model.set_attn_implementation(previous)
+        try:
+            model.set_attn_implementation(previous)
+        except (ValueError, ImportError) as err:
+            raise ValueError(f"remove_prior cannot set {type(model).__name__}'s attention back to {previous} "
+                             f"({err}); the model keeps its priors") from None
         del model._maskprior_previous_attention
+    for layer in _hf_attention_modules(model):
+        if HF_IMPLEMENTATION in layer._modules:
+            del layer._modules[HF_IMPLEMENTATION]
+    if getattr(model.config, HF_IMPLEMENTATION, None) is not None:
+        setattr(model.config, HF_IMPLEMENTATION, None)
+    hook = getattr(model, "_maskprior_hook", None)
+    if hook is not None:
+        hook.remove()
+        del model._maskprior_hook
     return model
 
 
