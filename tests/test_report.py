@@ -612,3 +612,15 @@ def test_study_with_a_repeated_or_cut_row_in_results_from_is_one_line(tmp_path, 
     assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert re.search(rf"results_from: .*results.csv, {message}", err), err
     assert not (tmp_path / "again" / "2parity").exists()
+
+
+def test_a_study_grown_by_an_init_keeps_the_rows_its_files_hold(tmp_path, monkeypatch):
+    """The out_dir's files are read before study.json is rewritten: a study that now asks for one more init keeps
+    the finished rows of the others (their run directories removed) and lists the new init's runs as pending."""
+    monkeypatch.chdir(ROOT)
+    out, study_file = finished_study_without_run_directories(tmp_path)
+    study_file.write_text(yaml.safe_dump(study_dict(out, inits=[*INITS, "zero"])))
+    main(["study", "-c", str(study_file), "--table_only", "true"])
+    statuses = {(r.init, r.seed): r.status for r in load(out).runs}
+    assert statuses == {**{(init, seed): "ok" for init in INITS for seed in SEEDS},
+                        ("zero", 0): "pending", ("zero", 1): "pending"}

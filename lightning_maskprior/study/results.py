@@ -155,11 +155,11 @@ def collect(study: Study, curves: bool = True) -> None:
     ``curves`` also curves.csv.gz and attention_maps.npz (these read every run's TensorBoard events: slower)."""
     out = study.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(out / ResultDir.STUDY, json.dumps(study_info(study), indent=1) + "\n")
     # results_from and out_dir's own files are read before these are rewritten: a finished row that no run
     # directory recomputes (its directory was removed) is kept, with its curves and maps
     previous = load_previous(study, maps=curves, own=True)
     kept = kept_rows(study, previous)
+    atomic.write_text(out / ResultDir.STUDY, json.dumps(study_info(study), indent=1) + "\n")
     results = [(run, _current(run)) for run in study.runs()]
     tags = sorted({m.tag for t in study.tasks for m in t.metrics} | {SCORE, HALF_LIFE})
     with atomic.atomic_path(out / ResultDir.RESULTS) as tmp, open(tmp, "w", newline="") as f:
