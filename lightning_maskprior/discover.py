@@ -57,7 +57,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from jsonargparse import ArgumentParser
@@ -65,14 +65,48 @@ from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 
 from lightning_maskprior import contracts
 from lightning_maskprior.attention import attention_layers, attention_probabilities
-from lightning_maskprior.contracts import PluginError
 from lightning_maskprior.fourier import collapses, relevant_bits, sample_mdi
-from lightning_maskprior.plugins import registrar, resolve
+from lightning_maskprior.plugins import (
+    POSITIONAL,
+    PluginError,
+    parameters_of,
+    registrar,
+    resolve,
+    shown,
+    without_default,
+)
 from lightning_maskprior.priors import StructureSpec
 
-Estimator = Callable[..., "Discovery"]
+
+class Estimator(Protocol):
+    """Where a structure comes from: ``fn(datamodule, **options) -> Discovery`` reads a
+    :class:`~lightning_maskprior.contracts.TaskDataModule`'s training split (after ``setup("fit")``).
+
+    Its first parameter is named ``datamodule``; one that trains a model also takes ``make_module``
+    (``make_module(init)``: a fresh, structure-free ``MaskPriorModule`` of the run). Every other parameter is an
+    option with a type and a default, documented in the docstring's ``Args:`` (``maskprior discover --help`` shows
+    them). Register one with ``register_estimator(name)``, or name it by import path
+    (``--model.structure discover:my_pkg.estimators:my_estimator``, ``maskprior discover --method ...``).
+    """
+
+    def __call__(self, datamodule: contracts.TaskDataModule, **options: Any) -> Discovery: ...
+
+
+def check_estimator(name: str, fn: Any) -> None:
+    """A PluginError naming estimator ``name`` where ``fn`` is not an :class:`Estimator`."""
+    expected = "fn(datamodule, **options) -> Discovery (see lightning_maskprior.discover.Estimator)"
+    params = parameters_of("estimator", name, fn, expected)
+    if not params or params[0].name != "datamodule" or params[0].kind not in POSITIONAL:
+        raise PluginError(f"estimator {name!r} takes ({shown(params)}); expected {expected}: its first parameter, "
+                          "named datamodule, receives the task's datamodule")
+    required = without_default([p for p in params[1:] if p.name != "make_module"])
+    if required:
+        raise PluginError(f"estimator {name!r}: option(s) {', '.join(required)} have no default; expected a default "
+                          "for every option")
+
+
 ESTIMATORS: dict[str, Estimator] = {}
-_register = registrar("estimator", ESTIMATORS, "estimator")
+_register = registrar("estimator", ESTIMATORS, "estimator", check_estimator)
 # what an estimator receives besides its options
 _GIVEN = ("datamodule", "make_module")
 
@@ -88,7 +122,7 @@ class DiscoverySpec:
 
     Args:
         discover: The estimator: fourier, attention, learned, one registered with ``register_estimator``, or
-            ``module.path:function`` of your own (:class:`~lightning_maskprior.contracts.Estimator`).
+            ``module.path:function`` of your own (:class:`Estimator`).
         options: Its options (``maskprior discover --help`` lists each estimator's), e.g. ``{steps: 500}``.
     """
 
@@ -171,7 +205,7 @@ class Discovery:
 
 def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
     """Decorator: register ``fn(datamodule, **options) -> Discovery`` as estimator ``name`` (the contract:
-    :class:`~lightning_maskprior.contracts.Estimator`, checked now). Its options are the
+    :class:`Estimator`, checked now). Its options are the
     parameters after ``datamodule`` (and ``make_module``, for one that trains a model), each declared once with a
     type (jsonargparse's constrained types give ranges: ``PositiveInt``, ...), a default, and an ``Args:`` line in
     the docstring: what ``maskprior discover --help``, the YAML and the docs show."""
@@ -258,7 +292,7 @@ def discover(method: str, datamodule: Any, make_module: ModuleFactory | None = N
         found = estimator(datamodule, **options)
     if not isinstance(found, Discovery):
         raise PluginError(f"estimator {method!r} returned a {type(found).__name__}; expected a Discovery (see "
-                          "lightning_maskprior.contracts.Estimator)")
+                          "lightning_maskprior.discover.Estimator)")
     if method != "fourier" and contracts.is_boolean_task(datamodule):
         _mark_identifiable(found, datamodule)
     return found

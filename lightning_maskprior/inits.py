@@ -6,7 +6,7 @@ An init method takes the backbone (any module holding PriorAttention layers, or 
 ``qk_opt``, ``impulse``) put it into Wq/Wk; ``mimetic`` needs no structure.
 
 Any init method, the project's or one of your own (``--model.init my_pkg.inits:my_init``), follows one contract,
-:class:`~lightning_maskprior.contracts.InitMethod`; the query/key inits read the backbone's hooks that
+:class:`InitMethod`; the query/key inits read the backbone's hooks that
 :class:`~lightning_maskprior.contracts.QueryKeyBackbone` documents (``positional_embedding``,
 ``scale_positional_embedding``, ``attention_norms``, and ``example_inputs`` and ``patch_grid`` where an option
 needs them), and leave its ``num_prefix_tokens`` (a CLS token, registers) out of their fit. ``TokenTransformer``
@@ -19,7 +19,7 @@ import inspect
 import math
 import typing
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +28,60 @@ from torch import Tensor, nn
 
 from lightning_maskprior import contracts
 from lightning_maskprior.attention import PriorCarrier, attention_layers, attention_probabilities
-from lightning_maskprior.plugins import resolve
+from lightning_maskprior.plugins import PluginError, leading, parameters_of, registrar, resolve, shown, without_default
 from lightning_maskprior.priors import IMPULSE_OFFSETS, Structure, check_open_closed, grid_impulse
 
-InitMethod = Callable[..., None]
+
+class InitMethod(Protocol):
+    """Where a structure goes: ``fn(backbone, structure, **options)`` changes the backbone in place.
+
+    ``backbone`` is a :class:`~lightning_maskprior.contracts.PriorBackbone`; ``structure`` is the task's
+    :class:`~lightning_maskprior.priors.Structure` mapped onto the attention's sequence (None where the task has
+    none). Every option after them has a default (``model.init_options`` and the task's ``init_defaults`` override
+    them), and their annotations give their checks (``PositiveFloat`` and the other constrained types of
+    jsonargparse give ranges). Register one with ``register_init(name, uses_structure=...)``, or name it by import
+    path (``--model.init my_pkg.inits:my_init``).
+
+    Attributes:
+        uses_structure: True where the method places the structure (it then needs one, and gets the task's as it
+            is); False or absent where it only measures against it (the structure's heads are then merged where they
+            do not fit the model's). ``register_init`` sets it; a function named by import path sets it itself.
+    """
+
+    uses_structure: bool
+
+    def __call__(self, backbone: Any, structure: Structure | None, /, **options: Any) -> None: ...
+
+
+def check_init(name: str, fn: Any) -> None:
+    """A PluginError naming init method ``name`` where ``fn`` is not an :class:`InitMethod`."""
+    expected = "fn(backbone, structure, **options) (see lightning_maskprior.inits.InitMethod)"
+    params = parameters_of("init method", name, fn, expected)
+    given, options = leading(params, 2)
+    if len(given) < 2:
+        raise PluginError(f"init method {name!r} takes ({shown(params)}); expected {expected}: its first two "
+                          "parameters receive the backbone and the task's Structure (or None)")
+    required = without_default(options)
+    if required:
+        raise PluginError(f"init method {name!r}: option(s) {', '.join(required)} have no default; expected a default "
+                          "for every option after (backbone, structure) (init_options override them)")
+    flag = getattr(fn, "uses_structure", False)
+    if not isinstance(flag, bool):
+        raise PluginError(f"init method {name!r}: uses_structure must be True or False, got {flag!r}")
+
+
+def uses_structure(fn: Any) -> bool:
+    """Whether init method ``fn`` places the structure (:attr:`InitMethod.uses_structure`)."""
+    return bool(getattr(fn, "uses_structure", False))
+
+
 INIT_METHODS: dict[str, InitMethod] = {}
+_register = registrar("init", INIT_METHODS, "init method", check_init)
 
 
 def register_init(name: str, uses_structure: bool = False) -> Callable[[InitMethod], InitMethod]:
     """Decorator: register ``fn(backbone, structure, **options)`` under ``name`` (the contract:
-    :class:`~lightning_maskprior.contracts.InitMethod`, checked now).
+    :class:`InitMethod`, checked now).
 
     Args:
         name: The name ``model.init`` takes.
@@ -46,12 +90,8 @@ def register_init(name: str, uses_structure: bool = False) -> Callable[[InitMeth
     """
 
     def decorator(fn: InitMethod) -> InitMethod:
-        if name in INIT_METHODS:
-            raise ValueError(f"init method {name!r} is already registered")
-        fn.uses_structure = uses_structure or contracts.uses_structure(fn)
-        contracts.check_init(name, fn)
-        INIT_METHODS[name] = fn
-        return fn
+        fn.uses_structure = uses_structure or bool(getattr(fn, "uses_structure", False))
+        return _register(name)(fn)
 
     return decorator
 
@@ -88,7 +128,7 @@ def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **op
     if not layers:
         raise ValueError(f"{type(backbone).__name__} has no attention layer that carries a prior "
                          "(PriorAttention, or one that inject_prior added)")
-    if contracts.uses_structure(fn) and structure is None:
+    if uses_structure(fn) and structure is None:
         raise ValueError(f"init method {name!r} needs a structure, but the task gave none")
     fn(backbone, structure, **options)
 

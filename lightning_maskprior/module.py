@@ -29,9 +29,9 @@ from lightning_maskprior.attention import (
     check_parameterisation,
 )
 from lightning_maskprior.checkpoints import check_checkpoint_fits
-from lightning_maskprior.contracts import check_backbone, prefix_tokens, uses_structure
+from lightning_maskprior.contracts import check_backbone, prefix_tokens
 from lightning_maskprior.discover import DiscoverySpec
-from lightning_maskprior.inits import apply_init, check_init_options, get_init
+from lightning_maskprior.inits import apply_init, check_init_options, get_init, uses_structure
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.objectives import build_objective
 from lightning_maskprior.plugins import resolve
@@ -141,7 +141,7 @@ class MaskPriorModule(L.LightningModule):
             ``init_args``.
         init: Where the structure goes: ``default`` (nowhere), ``mask`` (learnable prior M),
             ``zero`` (learnable M = 0), ``fixed`` (frozen M), a query/key baseline, or ``module.path:function``: an
-            init method of your own (:class:`~lightning_maskprior.contracts.InitMethod`).
+            init method of your own (:class:`~lightning_maskprior.inits.InitMethod`).
         init_options: Options of the init method, e.g. ``{open_value: 10, closed_value: -10}``
             for ``mask``. They override, key by key, the task's defaults for that method
             (``TaskSpec.init_defaults``: the paper's values for each benchmark).
@@ -153,7 +153,7 @@ class MaskPriorModule(L.LightningModule):
             estimator's options.
         objective: Replace the task's objective (its loss and metrics): a registered one (``regression``,
             ``classification``, ``language_model``) or ``module.path:function`` of your own, called with the task's
-            TaskSpec (:class:`~lightning_maskprior.contracts.ObjectiveFactory`). Default: the task's.
+            TaskSpec (:class:`~lightning_maskprior.objectives.ObjectiveFactory`). Default: the task's.
         optimizer: Optimizer class and its arguments (default Adam, lr 1e-3).
         lr_schedule: ``constant`` or ``cosine`` decay to 0 over the whole run, stepped per batch.
         warmup_steps: Linear warm-up steps before the schedule.

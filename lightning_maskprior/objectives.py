@@ -1,32 +1,51 @@
 """Objectives: a task's loss and its torchmetrics, shared by the datamodules.
 
 A datamodule's ``task_spec()`` gives its task's objective; ``--model.objective NAME`` replaces it with one of the
-registry below or one of your own (``my_pkg.objectives:huber``, :class:`~lightning_maskprior.contracts.
-ObjectiveFactory`): a function, or an Objective subclass, called with the task's TaskSpec.
+registry below or one of your own (``my_pkg.objectives:huber``, :class:`ObjectiveFactory`): a function, or an
+Objective subclass, called with the task's TaskSpec.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, MeanSquaredError, Metric, MetricCollection
 
-from lightning_maskprior.contracts import PluginError
-from lightning_maskprior.plugins import registrar, resolve
+from lightning_maskprior.plugins import PluginError, leading, parameters_of, registrar, resolve, shown, without_default
 from lightning_maskprior.task import Objective, TaskSpec
 
-ObjectiveFactory = Callable[[TaskSpec], Objective]
+
+class ObjectiveFactory(Protocol):
+    """A task's objective replaced: ``fn(task) -> Objective`` (an ``Objective`` subclass whose constructor takes the
+    ``TaskSpec``, or a function), named by ``--model.objective`` (a name registered with ``register_objective``, or
+    ``my_pkg.objectives:huber``). The :class:`~lightning_maskprior.task.Objective` it returns implements ``loss``,
+    ``make_metrics`` and ``update_metrics``."""
+
+    def __call__(self, task: TaskSpec, /) -> Objective: ...
+
+
+def check_objective_factory(name: str, fn: Any) -> None:
+    """A PluginError naming objective ``name`` where ``fn`` cannot be called with the task alone
+    (:class:`ObjectiveFactory`)."""
+    expected = "fn(task) -> Objective (see lightning_maskprior.objectives.ObjectiveFactory)"
+    params = parameters_of("objective", name, fn, expected)
+    given, others = leading(params, 1)
+    if not given or without_default(others):
+        raise PluginError(f"objective {name!r} takes ({shown(params)}); expected {expected}: called with the task's "
+                          "TaskSpec alone")
+
+
 OBJECTIVES: dict[str, ObjectiveFactory] = {}
-_register = registrar("objective", OBJECTIVES, "objective")
+_register = registrar("objective", OBJECTIVES, "objective", check_objective_factory)
 
 
 def register_objective(name: str) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
     """Decorator: register ``fn(task) -> Objective`` as objective ``name``, which ``--model.objective NAME`` names
-    (the contract: :class:`~lightning_maskprior.contracts.ObjectiveFactory`, checked now)."""
+    (the contract: :class:`ObjectiveFactory`, checked now)."""
     return _register(name)
 
 

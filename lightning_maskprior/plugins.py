@@ -9,17 +9,28 @@ by a registered name (``mask``, ``fourier``...) or by import path (``my_pkg.init
 An import path is ``module.path:attribute`` (as the Boolean datamodule's own ``target`` and ``seen`` take it); the
 module is imported from the Python path (``PYTHONPATH``), by every process that needs it: the fit, a study's check
 of its inits, each of its runs, ``load_run``. What it names is checked against its contract
-(:mod:`lightning_maskprior.contracts`) when it is resolved, and one that does not satisfy it is refused with one
-:class:`~lightning_maskprior.contracts.PluginError` naming the plug-in and what it lacks.
+(a ``typing.Protocol`` beside its registry: :class:`~lightning_maskprior.inits.InitMethod`,
+:class:`~lightning_maskprior.discover.Estimator`, :class:`~lightning_maskprior.priors.StructureBuilder`,
+:class:`~lightning_maskprior.objectives.ObjectiveFactory`) when it is resolved, and one that does not satisfy it is
+refused with one :class:`PluginError` naming the plug-in and what it lacks.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
-from lightning_maskprior.contracts import CHECKS, KIND_NAMES, PluginError
+
+class PluginError(ValueError):
+    """A plug-in (an init method, estimator, structure builder, objective or backbone) that cannot be found or does
+    not satisfy its contract; the message names it and what it lacks, in one line."""
+
+
+# the words an error uses for each kind of plug-in
+KIND_NAMES = {"init": "init method", "estimator": "discovery method", "structure": "structure builder",
+              "objective": "objective"}
 
 # kind -> (module, registry): each registry maps a name to its plug-in, filled by the module's register decorator.
 REGISTRIES: dict[str, tuple[str, str]] = {
@@ -28,8 +39,12 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "structure": ("lightning_maskprior.priors", "STRUCTURE_BUILDERS"),
     "objective": ("lightning_maskprior.objectives", "OBJECTIVES"),
 }
+# kind -> the check of a plug-in against the contract of its kind, given by the registry's ``registrar``: it checks
+# the registered plug-ins when they are registered, and one named by import path when it is resolved.
+CHECKS: dict[str, Callable[[str, Any], None]] = {}
 
-__all__ = ["PluginError", "REGISTRIES", "import_path", "is_import_path", "registrar", "registry", "resolve"]
+__all__ = ["CHECKS", "KIND_NAMES", "PluginError", "REGISTRIES", "import_path", "is_import_path", "registrar",
+           "registry", "resolve"]
 
 
 def is_import_path(name: str) -> bool:
@@ -37,10 +52,12 @@ def is_import_path(name: str) -> bool:
     return ":" in name
 
 
-def registrar(kind: str, registered: dict[str, Any], what: str) -> Callable[[str], Callable[[Any], Any]]:
+def registrar(kind: str, registered: dict[str, Any], what: str,
+              check: Callable[[str, Any], None]) -> Callable[[str], Callable[[Any], Any]]:
     """The ``register(name)`` decorator of plug-ins of ``kind``: it checks a function against the contract of its
-    kind (:data:`~lightning_maskprior.contracts.CHECKS`) and adds it to ``registered`` under ``name``; a ValueError
-    naming ``what`` and ``name`` where that name is taken."""
+    kind (``check(name, fn)``, kept in :data:`CHECKS` for those named by import path) and adds it to ``registered``
+    under ``name``; a ValueError naming ``what`` and ``name`` where that name is taken."""
+    CHECKS[kind] = check
 
     def register(name: str) -> Callable[[Any], Any]:
         def decorator(fn: Any) -> Any:
@@ -84,7 +101,7 @@ def import_path(path: str, what: str = "plug-in") -> Any:
 
 def resolve(kind: str, name: str) -> Any:
     """The plug-in of ``kind`` that ``name`` names: a registered one, or ``module.path:attribute`` imported now and
-    checked against the contract of its kind (:mod:`lightning_maskprior.contracts`)."""
+    checked against the contract of its kind (:data:`CHECKS`)."""
     registered = registry(kind)
     what = KIND_NAMES[kind]
     if not isinstance(name, str) or not name:
@@ -97,3 +114,37 @@ def resolve(kind: str, name: str) -> Any:
     plugin = import_path(name, what)
     CHECKS[kind](name, plugin)
     return plugin
+
+
+# ----------------------------------------------------------------------- reading a plug-in's signature
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def parameters_of(what: str, name: str, fn: Any, expected: str) -> list[inspect.Parameter]:
+    """The parameters of plug-in ``fn``; a PluginError naming ``what`` and ``name`` where it is not a function or has
+    no signature, saying the ``expected`` form."""
+    if not callable(fn):
+        raise PluginError(f"{what} {name!r} is a {type(fn).__name__}, not a function; expected {expected}")
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        raise PluginError(f"{what} {name!r} has no signature to read; expected {expected}") from None
+
+
+def leading(params: list[inspect.Parameter], count: int) -> tuple[list[inspect.Parameter], list[inspect.Parameter]]:
+    """The first ``count`` positional parameters (fewer where there are not as many), and the others."""
+    given = [p for p in params[:count] if p.kind in POSITIONAL]
+    if len(given) < count and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        given = params[:count]
+    return given, params[len(given):]
+
+
+def without_default(params: list[inspect.Parameter]) -> list[str]:
+    """The names of the ``params`` a caller must give (no default, not ``*args`` or ``**kwargs``)."""
+    return [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+
+
+def shown(params: list[inspect.Parameter]) -> str:
+    """The names of ``params`` as an error shows them."""
+    return ", ".join(p.name for p in params) or "nothing"

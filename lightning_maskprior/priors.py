@@ -12,13 +12,12 @@ import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_maskprior.contracts import PluginError
-from lightning_maskprior.plugins import registrar, resolve
+from lightning_maskprior.plugins import PluginError, leading, parameters_of, registrar, resolve, shown
 
 Pair = tuple[int, int]
 
@@ -180,15 +179,35 @@ def check_open_closed(open_value: float, closed_value: float) -> None:
 
 
 # ------------------------------------------------------------------------------------ builders
-StructureBuilder = Callable[..., Structure]
+class StructureBuilder(Protocol):
+    """A structure from its token count: ``fn(seq_len, **options) -> Structure`` over the task's ``seq_len`` tokens.
+
+    Named by ``--model.structure NAME`` or ``{builder: NAME, options: {...}}``: a registered builder
+    (``register_structure(name)``: ``full``, ``diagonal``, ``cyclic_window``...) or an import path
+    (``my_pkg.structures:ring``).
+    """
+
+    def __call__(self, seq_len: int, /, **options: Any) -> Structure: ...
+
+
+def check_structure_builder(name: str, fn: Any) -> None:
+    """A PluginError naming structure builder ``name`` where ``fn`` is not a :class:`StructureBuilder`."""
+    expected = "fn(seq_len, **options) -> Structure (see lightning_maskprior.priors.StructureBuilder)"
+    params = parameters_of("structure builder", name, fn, expected)
+    given, _ = leading(params, 1)
+    if not given:
+        raise PluginError(f"structure builder {name!r} takes ({shown(params)}); expected {expected}: its first "
+                          "parameter receives the task's token count")
+
+
 STRUCTURE_BUILDERS: dict[str, StructureBuilder] = {}
-_register = registrar("structure", STRUCTURE_BUILDERS, "structure builder")
+_register = registrar("structure", STRUCTURE_BUILDERS, "structure builder", check_structure_builder)
 
 
 def register_structure(name: str) -> Callable[[StructureBuilder], StructureBuilder]:
     """Decorator: register ``fn(seq_len, **options) -> Structure`` as structure builder ``name``, which
     ``--model.structure NAME`` (or ``{builder: NAME, options: {...}}``) names (the contract:
-    :class:`~lightning_maskprior.contracts.StructureBuilder`, checked now)."""
+    :class:`StructureBuilder`, checked now)."""
     return _register(name)
 
 
@@ -417,7 +436,7 @@ class StructureSpec:
             (layers, heads, N, N).
         builder: A structure builder, called as ``builder(seq_len, **options)``: a registered one (``full``,
             ``diagonal``, ``cyclic_window``, ``causal_relative_distance``) or ``module.path:function`` of your own
-            (:class:`~lightning_maskprior.contracts.StructureBuilder`). ``--model.structure NAME`` is the same with
+            (:class:`StructureBuilder`). ``--model.structure NAME`` is the same with
             no options.
         options: The builder's options, e.g. ``{offsets: [0, 1]}`` for ``cyclic_window``.
         symmetric: Open (j, i) whenever (i, j) is listed.

@@ -41,11 +41,13 @@ def module_name(path: Path) -> str:
     raise AssertionError(path)
 
 
-def imports_of(path: Path) -> set[str]:
-    """The package modules ``path`` imports, at the top or inside a function."""
+def imports_of(path: Path, typing: bool = False) -> set[str]:
+    """The package modules ``path`` imports, at the top or inside a function (with ``typing``, also those imported
+    for annotations alone, under ``if TYPE_CHECKING:``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    typing_only = {id(n) for node in ast.walk(tree)  # `if TYPE_CHECKING:` imports never run
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    typing_only = set() if typing else {  # `if TYPE_CHECKING:` imports never run
+        id(n) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -63,9 +65,10 @@ def imports_of(path: Path) -> set[str]:
 
 
 @functools.cache
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
     files = [p for folder in FOLDERS.values() for p in folder.rglob("*.py")]
-    return {module_name(p): {module_name(module_file(n)) for n in imports_of(p)} - {module_name(p)} for p in files}
+    return {module_name(p): {module_name(module_file(n)) for n in imports_of(p, typing)} - {module_name(p)}
+            for p in files}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -113,6 +116,35 @@ def test_cycles_are_found():  # the check itself can fail
 
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
+
+
+def test_no_import_cycle_counting_the_imports_for_annotations():
+    """A contract stands beside the registry that checks it: the imports a type checker reads close no circle."""
+    assert cycles(import_graph(typing=True)) == []
+
+
+# A study's path, one module per step, each importing only those before it (typing imports included).
+STUDY_PATH = ["paper_results", "spec", "lock", "cell", "launchers", "launchers.local", "launchers.slurm",
+              "launchers.ray", "results", "tables", "figures", "report", "cli"]
+
+
+def test_the_study_path_reads_one_way():
+    graph = import_graph(typing=True)
+    steps = [f"lightning_maskprior.study.{name}" for name in STUDY_PATH]
+    assert sorted(steps + ["lightning_maskprior.study"]) == sorted(n for n in graph if n.startswith(
+        "lightning_maskprior.study")), "a module of study/ that the path does not place"
+    for i, step in enumerate(steps):
+        later = sorted(set(steps[i + 1:]) & graph[step])
+        assert not later, f"{step} imports {later}, which come after it on the study's path"
+
+
+def test_every_function_of_the_study_fits_on_a_screen():
+    """Every function of study/ within 80 lines."""
+    long = [f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in (ROOT / "lightning_maskprior/study").rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80]
+    assert not long
 
 
 def test_every_benchmark_datamodule_is_a_maskprior_datamodule():

@@ -519,3 +519,108 @@ def test_report_into_a_path_the_machine_refuses_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert re.search(r"a_file/out: Not a directory \(ENOTDIR\); expected a directory", proc.stderr), proc.stderr
+
+
+# ------------------------------------------------------------------- a table never poorer than its data
+def with_fingerprints(path: Path, study_file: Path) -> Path:
+    """The result directory at ``path`` with each row's fingerprint: the row of the run the study file runs there."""
+    study = load_study(yaml.safe_load(study_file.read_text()), study_file)
+    prints = {(run.task.name, run.init.label, str(run.seed)): run.fingerprint() for run in study.runs()}
+    with open(path / "results.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    rows = [rows[0] + ["fingerprint"]] + [row + [prints[tuple(row[:3])]] for row in rows[1:]]
+    with open(path / "results.csv", "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    return path
+
+
+def finished_study_without_run_directories(tmp_path: Path) -> tuple[Path, Path]:
+    """A study's out_dir holding its data files (every run finished, with curves) and no run directory (removed)."""
+    out = tmp_path / "out"
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump(study_dict(out)))
+    return with_fingerprints(write_result_dir(out), study_file), study_file
+
+
+@pytest.mark.parametrize("results_from", [False, True])
+def test_table_only_keeps_the_finished_rows_whose_run_directories_were_removed(tmp_path, monkeypatch, results_from):
+    """--table_only rebuilds from the runs and keeps every finished row it cannot recompute, with its curves: from
+    the out_dir's own data files, also beside a results_from directory that holds the rows without their curves."""
+    monkeypatch.chdir(ROOT)
+    out, study_file = finished_study_without_run_directories(tmp_path)
+    before = load(out)
+    args = ["study", "-c", str(study_file), "--table_only", "true"]
+    if results_from:
+        bare = tmp_path / "bare"
+        bare.mkdir()
+        for name in ("study.json", "results.csv"):
+            shutil.copyfile(out / name, bare / name)
+        args += ["--results_from", str(bare)]
+    main(args)
+    after = load(out)
+    assert sorted((r.task, r.init, r.seed, r.status, r.seconds, r.values) for r in after.runs) == \
+        sorted((r.task, r.init, r.seed, r.status, r.seconds, r.values) for r in before.runs)
+    assert after.curves.keys() == before.curves.keys() and after.curves[("2parity", "mask", 0, "val/acc")]
+    for key, points in before.curves.items():
+        assert [x for point in after.curves[key] for x in point] == pytest.approx([x for p in points for x in p])
+    assert "pending" not in (out / "table.md").read_text()
+
+
+def test_report_check_says_which_rows_rest_on_the_data_files_alone(result_dir, capsys):
+    render(result_dir, figures=False)
+    main(["report", "--check", str(result_dir)])
+    assert f"{result_dir}: all 6 finished rows rest on the data files alone" in capsys.readouterr().out
+    run_dir = result_dir / "2parity" / "mask" / "seed1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text("{}")
+    main(["report", "--check", str(result_dir)])
+    printed = capsys.readouterr().out
+    assert f"{result_dir}: 5 of 6 finished rows rest on the data files alone" in printed
+    assert "2parity/mask/seed0" in printed and "2parity/mask/seed1" not in printed
+
+
+def test_report_check_names_a_missing_figure_as_missing(result_dir, capsys):
+    main(["report", str(result_dir)])
+    capsys.readouterr()
+    (result_dir / "figures" / "2parity_curves.png").unlink()
+    with pytest.raises(SystemExit) as info:
+        main(["report", "--check", str(result_dir)])
+    err = capsys.readouterr().err
+    assert info.value.code == 1
+    assert f"missing figures (`maskprior report RESULT_DIR` draws them):\n  {result_dir}/figures/2parity_curves.png" \
+        in err
+    assert "out of date" not in err and "table.md" not in err
+
+
+@pytest.mark.parametrize("table_only", [False, True])
+@pytest.mark.parametrize("damage, message", [
+    ("2parity,mask,0,ok,60.0,bf16-mixed,,1.0,1.0,0.5,,x\n", r"line 8: a second row for run 2parity/mask/0"),
+    (None, r"line \d+ has \d+ of the header's \d+ fields: cut short or corrupt"),
+])
+def test_study_with_a_repeated_or_cut_row_in_results_from_is_one_line(tmp_path, monkeypatch, capsys, table_only,
+                                                                     damage, message):
+    monkeypatch.chdir(ROOT)
+    source, _ = finished_study_without_run_directories(tmp_path)
+    text = (source / "results.csv").read_text()
+    cut = "\n".join([*text.splitlines()[:-1], ",".join(text.splitlines()[-1].split(",")[:5])]) + "\n"
+    (source / "results.csv").write_text(text + damage if damage else cut)
+    study_file = tmp_path / "again.yaml"
+    study_file.write_text(yaml.safe_dump(study_dict(tmp_path / "again", results_from=str(source))))
+    with pytest.raises(SystemExit) as info:
+        main(["study", "-c", str(study_file), "--table_only", str(table_only).lower()])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"results_from: .*results.csv, {message}", err), err
+    assert not (tmp_path / "again" / "2parity").exists()
+
+
+def test_a_study_grown_by_an_init_keeps_the_rows_its_files_hold(tmp_path, monkeypatch):
+    """The out_dir's files are read before study.json is rewritten: a study that now asks for one more init keeps
+    the finished rows of the others (their run directories removed) and lists the new init's runs as pending."""
+    monkeypatch.chdir(ROOT)
+    out, study_file = finished_study_without_run_directories(tmp_path)
+    study_file.write_text(yaml.safe_dump(study_dict(out, inits=[*INITS, "zero"])))
+    main(["study", "-c", str(study_file), "--table_only", "true"])
+    statuses = {(r.init, r.seed): r.status for r in load(out).runs}
+    assert statuses == {**{(init, seed): "ok" for init in INITS for seed in SEEDS},
+                        ("zero", 0): "pending", ("zero", 1): "pending"}

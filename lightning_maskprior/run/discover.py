@@ -75,7 +75,7 @@ def main(argv: list[str]) -> None:
                         help="A task config (repeatable, as for maskprior fit); its datamodule's training split is "
                         "read. Other --data.* options after it override the config, as for fit.")
     parser.add_argument("--method", default="fourier", help=f"The estimator: one of {sorted(estimators.ESTIMATORS)}, "
-                        "or module.path:function of your own (lightning_maskprior.contracts.Estimator).")
+                        "or module.path:function of your own (lightning_maskprior.discover.Estimator).")
     parser.add_argument("--out", type=Path, default=None,
                         help="Write the structure YAML here (default: print it); give it to --model.structure. "
                         "Never one of the -c configs.")

@@ -26,15 +26,50 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_maskprior.run import atomic
 from lightning_maskprior.run.rundir import RunDir, StudyRunDir
 from lightning_maskprior.run.status import FINISHED, status_from_returncode
-from lightning_maskprior.study.launchers import start_child, write_json
 
 if TYPE_CHECKING:
     from lightning_maskprior.study.spec import Run
 
 STDERR_TAIL_LINES = 25
 CELL_LOCK_WAIT_SECONDS = 120  # a cell of a study that was just stopped may still be saving its last.ckpt
+
+
+# Runs in the child between fork and the command (an exec trampoline, not a ``preexec_fn``, which is unsafe in
+# threaded processes such as Ray workers): ignore the signals named in argv[1] (an ignored signal stays ignored
+# across exec), ask Linux to SIGTERM this process when the process argv[2] dies (even by SIGKILL), then exec.
+_TRAMPOLINE = """\
+import os, signal, sys
+for name in filter(None, sys.argv[1].split(',')):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+if sys.platform.startswith('linux'):
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != int(sys.argv[2]):
+        sys.exit(143)  # the starter died before prctl took effect: nobody would stop this process
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+
+
+def start_child(command: list[str], ignore: tuple[str, ...] = (), **popen_kwargs: Any) -> subprocess.Popen:
+    """``Popen(command)`` whose process gets SIGTERM when this process dies, even by SIGKILL (Linux PDEATHSIG).
+
+    ``command[0]`` is the executable's path (e.g. ``sys.executable``). ``ignore``: signal names the child
+    and everything it starts ignore (e.g. ``("SIGUSR2",)``, submitit's requeue signal). The signal fires when
+    the *thread* that started the child exits, so start children from a thread that outlives them.
+    """
+    return subprocess.Popen([sys.executable, "-c", _TRAMPOLINE, ",".join(ignore), str(os.getpid()), *command],
+                            **popen_kwargs)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically: a reader sees the whole file or none (a cell killed mid-write leaves no half file)."""
+    atomic.write_text(path, json.dumps(data, indent=2))  # makes the directory: a deleted run directory comes back
 
 
 def record_args(path: Path) -> list[str]:

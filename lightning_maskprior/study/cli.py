@@ -257,25 +257,30 @@ def main(argv: list[str] | None = None) -> None:
             # cell after the first ones ran).
             get_launcher(study.launcher)(study)  # the launcher's own options are valid
             checked = check_commands(study)
+        if cfg.dry_run:
+            _print_commands(study, checked)
+        elif cfg.table_only:
+            study.out_dir.mkdir(parents=True, exist_ok=True)
+            write_outputs(study)
+            print(study.out_dir / ResultDir.TABLE)
+        else:
+            _run_and_print(study)
     except StudyError as err:
         parser.error(f"{path or 'study'}: {err}")
-    if cfg.dry_run:
-        states = run_states(study)
-        print(f"study {study.title}: {len(states)} runs, valid ({checked} distinct fit commands parsed); commands:")
-        for run, state in states:
-            print(f"[{state}] {run.name}: {format_command(run.fit_args())}")
-        return
-    if cfg.table_only:
-        study.out_dir.mkdir(parents=True, exist_ok=True)
-        write_outputs(study)
-        print(study.out_dir / ResultDir.TABLE)
-        return
+
+
+def _print_commands(study: Study, checked: int) -> None:
+    states = run_states(study)
+    print(f"study {study.title}: {len(states)} runs, valid ({checked} distinct fit commands parsed); commands:")
+    for run, state in states:
+        print(f"[{state}] {run.name}: {format_command(run.fit_args())}")
+
+
+def _run_and_print(study: Study) -> None:
     try:
         failed = run_study(study)
     except Interrupted as err:
         sys.exit(128 + int(err.args[0] if err.args else signal.SIGINT))  # 143 after SIGTERM, 130 after SIGINT
-    except StudyError as err:
-        parser.error(str(err))
     print("\n" + (study.out_dir / ResultDir.TABLE).read_text())
     if failed:
         sys.exit(1)

@@ -22,16 +22,19 @@ import sys
 from pathlib import Path
 
 from lightning_maskprior.run.errors import bad_input
+from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study.results import (
     ResultDir,
     ResultFileError,
     collect,
     load,
+    rows_on_files,
 )
 from lightning_maskprior.study.spec import Study
 from lightning_maskprior.study.tables import markdown, write_csvs
 
 MARKER = re.compile(r"(<!-- results: (?P<name>[^\s>]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+FIGURE_LINK = re.compile(rf"\]\(({ResultDir.FIGURES}/[^)\s]+\.png)\)")  # a figure as table.md shows it
 STUDY_LEVEL = ("persistence", "fraction_sweep")  # figures of the whole study (the README shows them inline)
 TASK_KINDS = ("_curves", "_persistence", "_attention_maps")
 
@@ -44,8 +47,9 @@ def write_outputs(study: Study, plots: bool = True) -> int:
     return sum(r.status == "failed" for r in load(study.out_dir, maps=False).runs)
 
 
-def figure_names(path: Path, tasks: list[str]) -> list[str]:
-    """The PNGs under ``path/figures`` in reading order: study-wide figures, then per task and kind."""
+def figure_names(path: Path, tasks: list[str], also: list[str] = ()) -> list[str]:
+    """The PNGs under ``path/figures`` (and the names ``also`` gives, ``figures/<name>.png``) in reading order:
+    study-wide figures, then per task and kind."""
     def order(name: str) -> tuple:
         if name in STUDY_LEVEL:
             return (0, STUDY_LEVEL.index(name), 0)
@@ -55,7 +59,7 @@ def figure_names(path: Path, tasks: list[str]) -> list[str]:
                 return (1, tasks.index(task), rank)
         return (2, 0, name)
 
-    names = [p.stem for p in (Path(path) / ResultDir.FIGURES).glob("*.png")]
+    names = {p.stem for p in (Path(path) / ResultDir.FIGURES).glob("*.png")} | {Path(n).stem for n in also}
     return [f"{ResultDir.FIGURES}/{n}.png" for n in sorted(names, key=order)]
 
 
@@ -82,12 +86,19 @@ def render(path: str | Path, out_dir: str | Path | None = None, figures: bool = 
     return out / ResultDir.TABLE
 
 
-def readme_section(path: Path, readme: Path) -> str:
+def missing_figures(path: Path) -> list[str]:
+    """The figures ``path``'s table.md shows that are not there (``figures/<name>.png``)."""
+    table = Path(path) / ResultDir.TABLE
+    linked = FIGURE_LINK.findall(table.read_text()) if table.is_file() else []
+    return [name for name in dict.fromkeys(linked) if not (Path(path) / name).is_file()]
+
+
+def readme_section(path: Path, readme: Path, also: list[str] = ()) -> str:
     """The README's copy of a result directory's tables: headings one level down, links relative to the README,
-    the study-wide figures inline and the others as links."""
+    the study-wide figures inline and the others as links (those under ``figures/`` and those ``also`` names)."""
     result = load(path, maps=False)
     base = Path(os.path.relpath(Path(path).resolve(), Path(readme).resolve().parent)).as_posix() + "/"
-    names = figure_names(path, [t.name for t in result.tasks])
+    names = figure_names(path, [t.name for t in result.tasks], also)
     text = markdown(result, [n for n in names if Path(n).stem in STUDY_LEVEL], level=3, link_base=base)
     others = [n for n in names if Path(n).stem not in STUDY_LEVEL]
     if others:
@@ -98,7 +109,8 @@ def readme_section(path: Path, readme: Path) -> str:
 
 def update_readme(readme: Path, paths: list[Path], write: bool = True) -> tuple[list[str], list[str]]:
     """Replace each ``<!-- results: NAME -->`` section whose NAME is one of ``paths``' directory names.
-    Returns (the names replaced, the names whose text changed); with ``write=False`` only compares."""
+    Returns (the names replaced, the names whose text changed); with ``write=False`` only compares (a figure that
+    is missing is compared as if it were there: it is reported as missing, not as a change)."""
     by_name = {Path(p).resolve().name: Path(p) for p in paths}
     text = Path(readme).read_text()
     replaced, changed = [], []
@@ -107,7 +119,8 @@ def update_readme(readme: Path, paths: list[Path], write: bool = True) -> tuple[
         name = match["name"]
         if name not in by_name:
             return match[0]
-        body = readme_section(by_name[name], readme)
+        also = [] if write else missing_figures(by_name[name])
+        body = readme_section(by_name[name], readme, also)
         replaced.append(name)
         if body != match["body"]:
             changed.append(name)
@@ -142,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Write the tables and CSV files only (the figures already there stay).")
     parser.add_argument("--check", action="store_true",
                         help="Write nothing; exit 1 naming each table.md or README section that differs from what "
-                        "the data files give (for CI: a hand edit or a forgotten regeneration).")
+                        "the data files give (for CI: a hand edit or a forgotten regeneration) and each figure a "
+                        "table shows that is missing; say which finished rows rest on the data files alone (no run "
+                        "directory holds their result).")
     return parser
 
 
@@ -167,30 +182,54 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    stale = []
+    stale, missing = [], []
     for path in args.result_dirs:
         if args.check:
-            result = load(path, maps=False)
-            expected = markdown(result, figure_names(path, [t.name for t in result.tasks]))
-            table = path / ResultDir.TABLE
-            if not table.is_file() or table.read_text() != expected:
-                stale.append(str(table))
+            stale += _check(path, missing)
             continue
         table = render(path, args.out_dir, figures=not args.no_figures)
         curves = (table.parent / ResultDir.CURVES).is_file()
         note = "" if curves else f" (tables only: no {ResultDir.CURVES}, so no curve figures)"
         print(f"{table}{note}")
     if args.readme is not None:
-        dirs = [args.out_dir] if args.out_dir is not None else args.result_dirs
-        replaced, changed = update_readme(args.readme, dirs, write=not args.check)
-        stale += [f"{args.readme} (results: {name})" for name in changed] if args.check else []
-        missing = sorted({Path(p).resolve().name for p in dirs} - set(replaced))
-        if not args.check:
-            print(f"{args.readme}: {len(replaced)} section(s) regenerated ({', '.join(replaced) or 'none'})"
-                  + (f"; no section for {', '.join(missing)}" if missing else ""))
+        stale += _readme(args)
+    if missing:
+        print("missing figures (`maskprior report RESULT_DIR` draws them):\n  " + "\n  ".join(missing),
+              file=sys.stderr)
     if stale:
         print("out of date (run the same command without --check):\n  " + "\n  ".join(stale), file=sys.stderr)
+    if stale or missing:
         sys.exit(1)
+
+
+def _check(path: Path, missing: list[str]) -> list[str]:
+    """``path``'s table.md if it differs from what the data files give (a figure it shows that is missing is
+    appended to ``missing`` instead); says which finished rows rest on the data files alone."""
+    result = load(path, maps=False)
+    absent = missing_figures(path)
+    missing += [str(path / name) for name in absent]
+    on_files = [f"{r.task}/{r.init}/seed{r.seed}" for r in rows_on_files(result)]
+    finished = sum(r.status in FINISHED for r in result.runs)
+    if len(on_files) == finished and finished:
+        print(f"{path}: all {finished} finished rows rest on the data files alone (no run directory holds them)")
+    elif on_files:
+        print(f"{path}: {len(on_files)} of {finished} finished rows rest on the data files alone (no run "
+              f"directory holds them): {', '.join(on_files)}")
+    expected = markdown(result, figure_names(path, [t.name for t in result.tasks], absent))
+    table = path / ResultDir.TABLE
+    return [] if table.is_file() and table.read_text() == expected else [str(table)]
+
+
+def _readme(args: argparse.Namespace) -> list[str]:
+    """Regenerate (or with --check compare) the README's sections; the sections that differ, with --check."""
+    dirs = [args.out_dir] if args.out_dir is not None else args.result_dirs
+    replaced, changed = update_readme(args.readme, dirs, write=not args.check)
+    if args.check:
+        return [f"{args.readme} (results: {name})" for name in changed]
+    missing = sorted({Path(p).resolve().name for p in dirs} - set(replaced))
+    print(f"{args.readme}: {len(replaced)} section(s) regenerated ({', '.join(replaced) or 'none'})"
+          + (f"; no section for {', '.join(missing)}" if missing else ""))
+    return []
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ run directories (``collect``) and read back without them (``load``), so a commit
 
 A study continues from these files alone (on another machine, in a checkout, on a cluster whose scratch was purged):
 given them as ``results_from`` (one directory or several), each finished row whose fingerprint matches the run the
-study would run stands for that run, which is kept (row, curves, maps) and not rerun (:func:`kept_rows`).
+study would run stands for that run, which is kept (row, curves, maps) and not rerun (:func:`kept_rows`). They are
+the lasting record once run directories are purged: rebuilding the files keeps every finished row of the out_dir's
+own files that no run directory recomputes (:func:`rows_on_files` names them).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from lightning_maskprior.run import atomic, config_files
 from lightning_maskprior.run.config_files import option_values
 from lightning_maskprior.run.rundir import ResultDir, StudyRunDir
 from lightning_maskprior.run.status import FINISHED
-from lightning_maskprior.study.spec import Metric, Run, Study, TaskEntry, composed_config
+from lightning_maskprior.study.spec import Metric, Run, Study, StudyError, TaskEntry, composed_config
 
 MAX_POINTS = 120  # per (run, tag) series in curves.csv.gz: enough for a smooth line, small enough to commit
 FRACTION_OPTION = "--data.init_args.train_fraction"
@@ -153,10 +155,11 @@ def collect(study: Study, curves: bool = True) -> None:
     ``curves`` also curves.csv.gz and attention_maps.npz (these read every run's TensorBoard events: slower)."""
     out = study.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(out / ResultDir.STUDY, json.dumps(study_info(study), indent=1) + "\n")
-    # results_from is read before out_dir's files are rewritten: it may be out_dir itself
-    previous = load_previous(study, maps=curves)
+    # results_from and out_dir's own files are read before these are rewritten: a finished row that no run
+    # directory recomputes (its directory was removed) is kept, with its curves and maps
+    previous = load_previous(study, maps=curves, own=True)
     kept = kept_rows(study, previous)
+    atomic.write_text(out / ResultDir.STUDY, json.dumps(study_info(study), indent=1) + "\n")
     results = [(run, _current(run)) for run in study.runs()]
     tags = sorted({m.tag for t in study.tasks for m in t.metrics} | {SCORE, HALF_LIFE})
     with atomic.atomic_path(out / ResultDir.RESULTS) as tmp, open(tmp, "w", newline="") as f:
@@ -185,12 +188,21 @@ def collect(study: Study, curves: bool = True) -> None:
                     [run for run in from_files if run.seed == study.seeds[0]])
 
 
-def load_previous(study: Study, maps: bool = True) -> ResultSet | None:
-    """The result directories of ``study.results_from`` read as one (None if there are none): for each run of the
-    study, the row of the first directory that finished it with the run's fingerprint, and its curves (and its maps,
-    for the first seed) from the first such directory that has them: a directory joined from tables alone may hold
-    the row of a run whose curves are in another. Rows that match no run of the study are left out."""
-    sets = [load(path, maps=maps) for path in study.results_from]
+def load_previous(study: Study, maps: bool = True, own: bool = False) -> ResultSet | None:
+    """The result directories of ``study.results_from`` (with ``own``, then ``study.out_dir``'s own files where they
+    can be read) read as one (None if there are none): for each run of the study, the row of the first directory
+    that finished it with the run's fingerprint, and its curves (and its maps, for the first seed) from the first
+    such directory that has them: a directory joined from tables alone may hold the row of a run whose curves are in
+    another. Rows that match no run of the study are left out. A StudyError naming a results_from directory whose
+    files are cut short or corrupt."""
+    sets = []
+    for path in study.results_from:
+        try:
+            sets.append(load(path, maps=maps))
+        except ResultFileError as err:
+            raise StudyError(f"results_from: {err}") from None
+    if own and study.out_dir.resolve() not in {Path(p).resolve() for p in study.results_from}:
+        sets += _own_files(study.out_dir, maps)
     if len(sets) <= 1:
         return sets[0] if sets else None
     wanted = {(run.task.name, run.init.label, run.seed): run.fingerprint() for run in study.runs()}
@@ -220,12 +232,31 @@ def load_previous(study: Study, maps: bool = True) -> ResultSet | None:
 def kept_rows(study: Study, previous: ResultSet | None = None) -> dict[str, RunRow]:
     """The finished rows (ok or diverged) of ``study.results_from`` (``previous``, if already loaded) that stand
     for runs whose directory has no result of their own, by run name: those whose fingerprint is the run's."""
-    if not study.results_from:
+    previous = previous if previous is not None else load_previous(study, maps=False)
+    if previous is None:
         return {}
-    rows = (previous if previous is not None else load_previous(study, maps=False)).runs
+    rows = previous.runs
     by_name = {f"{r.task}/{r.init}/seed{r.seed}": r for r in rows if r.status in FINISHED and r.fingerprint}
     return {run.name: by_name[run.name] for run in study.runs() if run.name in by_name
             and by_name[run.name].fingerprint == run.fingerprint() and run.load_result() is None}
+
+
+def _own_files(out_dir: Path, maps: bool) -> list[ResultSet]:
+    """The study's own result files in ``out_dir``, as a list of one (none where there are none, or where they are
+    cut short or corrupt: rewriting them from the runs is how they are mended)."""
+    if not ResultDir.holds_results(out_dir):
+        return []
+    try:
+        return [load(out_dir, maps=maps)]
+    except ResultFileError:
+        return []
+
+
+def rows_on_files(result: ResultSet) -> list[RunRow]:
+    """The finished rows of ``result`` that rest on its data files alone: no run directory beside them
+    (``<task>/<init>/seed<k>/result.json``) holds the run's result (it was removed, or the files were copied)."""
+    return [row for row in result.runs if row.status in FINISHED
+            and not StudyRunDir(result.path / row.task / row.init / f"seed{row.seed}").result.is_file()]
 
 
 def fit_log_dir(run_dir: Path) -> Path:

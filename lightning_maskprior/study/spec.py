@@ -22,6 +22,15 @@ from lightning_maskprior.run.rundir import StudyRunDir
 from lightning_maskprior.run.status import FINISHED
 from lightning_maskprior.study import paper_results
 
+#: The launchers a study file's ``launcher`` may name, validated here before any is imported: name ->
+#: "module:Class", imported when used (slurm needs submitit, ray needs ray).
+LAUNCHERS: dict[str, str] = {
+    "local": "lightning_maskprior.study.launchers.local:LocalLauncher",
+    "inprocess": "lightning_maskprior.study.launchers.local:InProcessLauncher",
+    "slurm": "lightning_maskprior.study.launchers.slurm:SlurmLauncher",
+    "ray": "lightning_maskprior.study.launchers.ray:RayLauncher",
+}
+
 
 class StudyError(ValueError):
     """A study file that cannot run; the message names the offending entry."""
@@ -293,6 +302,24 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
     study.title = study.title or name
     study.out_dir = Path(study.out_dir or Path("runs") / "study" / name).expanduser().resolve()
 
+    _check_seeds(study)
+    study.args = [str(a) for a in study.args]
+    study.metrics = _metrics(study.metrics, "metrics")
+    study.paper_tables = [str(t) for t in study.paper_tables]
+    for i, table in enumerate(study.paper_tables):
+        if table not in paper_results.TABLES:
+            raise StudyError(f"paper_tables[{i}]: the paper has no table {table!r} here; expected one of "
+                             f"{sorted(paper_results.TABLES)}")
+
+    study.tasks = _tasks(study, bases)
+    study.inits = _inits(study, bases)
+    _check_launcher(study)
+    study.results_from = _results_from(study.results_from)
+    return study
+
+
+def _check_seeds(study: Study) -> None:
+    """A StudyError naming the seed or seed option that is not what a study runs."""
     if not study.seeds:
         raise StudyError("seeds: give at least one seed, e.g. seeds: [0, 1, 2]")
     for i, seed in enumerate(study.seeds):
@@ -302,15 +329,10 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
         raise StudyError(f"seeds: {study.seeds} repeats a seed")
     if not all(a.startswith("--") for a in study.seed_args):
         raise StudyError(f"seed_args: each entry is a CLI option like --seed_everything, got {study.seed_args}")
-    study.args = [str(a) for a in study.args]
 
-    study.metrics = _metrics(study.metrics, "metrics")
-    study.paper_tables = [str(t) for t in study.paper_tables]
-    for i, table in enumerate(study.paper_tables):
-        if table not in paper_results.TABLES:
-            raise StudyError(f"paper_tables[{i}]: the paper has no table {table!r} here; expected one of "
-                             f"{sorted(paper_results.TABLES)}")
 
+def _tasks(study: Study, bases: list[Path]) -> list[TaskEntry]:
+    """The study's task entries, typed and checked, their config paths resolved against ``bases``."""
     if not study.tasks:
         raise StudyError("tasks: give at least one task (a config path or a mapping with name and config)")
     tasks = []
@@ -331,9 +353,13 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
         task.curves = study.curves if task.curves is None else task.curves
         task.paper = task.paper or task.name
         tasks.append(task)
-    study.tasks = tasks
     _check_unique([t.name for t in tasks], "tasks")
+    return tasks
 
+
+def _inits(study: Study, bases: list[Path]) -> list[InitEntry]:
+    """The study's init entries, typed and checked (each a registered method or one of the user's own), their config
+    paths resolved against ``bases``."""
     if not study.inits:
         raise StudyError("inits: give at least one init method, e.g. inits: [default, mask]")
     import lightning_maskprior.module  # noqa: F401  (imports every module that registers inits)
@@ -354,13 +380,15 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
         init.config = [_resolve_path(c, where, bases) for c in _as_list(init.config)]
         init.args = [str(a) for a in init.args]
         inits.append(init)
-    study.inits = inits
     _check_unique([init.label for init in inits], "inits (labels)")
+    return inits
 
+
+def _check_launcher(study: Study) -> None:
+    """Check the launcher and the run options it reads (parallel, gpus_per_run, threads_per_run), and merge its own
+    mapping into ``launcher_options``."""
     if study.parallel < 1:
         raise StudyError(f"parallel: must be a positive integer, got {study.parallel!r}")
-    from lightning_maskprior.study.launchers.registry import LAUNCHERS
-
     if study.launcher not in LAUNCHERS:
         raise StudyError(f"launcher: unknown launcher {study.launcher!r}; expected one of {sorted(LAUNCHERS)}")
     if study.launcher == "inprocess" and study.parallel != 1:
@@ -374,8 +402,6 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
         study.threads_per_run = _default_threads(study.parallel)
     elif study.threads_per_run < 1:
         raise StudyError(f"threads_per_run: must be a positive integer, got {study.threads_per_run!r}")
-    study.results_from = _results_from(study.results_from)
-    return study
 
 
 def _results_from(value: list[Path] | Path | None) -> list[Path]:

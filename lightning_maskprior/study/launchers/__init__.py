@@ -14,7 +14,6 @@ settings, e.g. a SLURM partition; it validates them in ``__init__`` and raises S
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import signal
 import subprocess
@@ -24,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_maskprior.run import atomic
-from lightning_maskprior.study.launchers.registry import LAUNCHERS
+from lightning_maskprior.study.cell import start_child, write_json
+from lightning_maskprior.study.spec import LAUNCHERS
 
 if TYPE_CHECKING:
     from lightning_maskprior.study.spec import Run, Study
@@ -72,36 +71,6 @@ def cell_command(run_dir: Path) -> list[str]:
 
 #: How long a cell (or a cell's fit) gets to save ``last.ckpt`` and exit after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 80.0
-
-# Runs in the child between fork and the command (an exec trampoline, not a ``preexec_fn``, which is unsafe in
-# threaded processes such as Ray workers): ignore the signals named in argv[1] (an ignored signal stays ignored
-# across exec), ask Linux to SIGTERM this process when the process argv[2] dies (even by SIGKILL), then exec.
-_TRAMPOLINE = """\
-import os, signal, sys
-for name in filter(None, sys.argv[1].split(',')):
-    signal.signal(getattr(signal, name), signal.SIG_IGN)
-if sys.platform.startswith('linux'):
-    import ctypes
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != int(sys.argv[2]):
-        sys.exit(143)  # the starter died before prctl took effect: nobody would stop this process
-os.execv(sys.argv[3], sys.argv[3:])
-"""
-
-
-def start_child(command: list[str], ignore: tuple[str, ...] = (), **popen_kwargs: Any) -> subprocess.Popen:
-    """``Popen(command)`` whose process gets SIGTERM when this process dies, even by SIGKILL (Linux PDEATHSIG).
-
-    ``command[0]`` is the executable's path (e.g. ``sys.executable``). ``ignore``: signal names the child
-    and everything it starts ignore (e.g. ``("SIGUSR2",)``, submitit's requeue signal). The signal fires when
-    the *thread* that started the child exits, so start children from a thread that outlives them.
-    """
-    return subprocess.Popen([sys.executable, "-c", _TRAMPOLINE, ",".join(ignore), str(os.getpid()), *command],
-                            **popen_kwargs)
-
 
 def start_cell(command: list[str], env: dict[str, str], ignore: tuple[str, ...] = (), **popen_kwargs: Any
                ) -> subprocess.Popen:
@@ -157,11 +126,6 @@ def finished_result(run: Run, returncode: int | None, error: str = "") -> dict:
               "error": error or f"the cell ended (exit code {returncode}) without writing {run.result_path}"}
     write_json(run.result_path, result)
     return result
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically: a reader sees the whole file or none (a cell killed mid-write leaves no half file)."""
-    atomic.write_text(path, json.dumps(data, indent=2))  # makes the directory: a deleted run directory comes back
 
 
 def get_launcher(name: str) -> type[Launcher]:
