@@ -128,7 +128,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="maskprior report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("result_dirs", nargs="+", type=Path, metavar="RESULT_DIR",
+    parser.add_argument("result_dirs", nargs="*", type=Path, metavar="RESULT_DIR",
                         help="A study's result directory: its out_dir (runs/study/<name>) or a published copy "
                         "(docs/results/<name>) holding study.json and results.csv (curves.csv.gz and "
                         "attention_maps.npz for the figures; without them only the tables are written).")
@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="Write nothing; exit 1 naming each table.md or README section that differs from what "
                         "the data files give (for CI: a hand edit or a forgotten regeneration).")
+    parser.add_argument("--scorecard", type=Path, default=None,
+                        help="Also write this scorecard (docs/scorecard.md: every number the paper prints beside "
+                        "ours, with a verdict) and results/table2_as_printed.md beside it, from the result "
+                        "directories in results/ beside it; with --readme also its '<!-- scorecard -->' section.")
     return parser
 
 
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     an output that differs from what the data files give."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if not args.result_dirs and args.scorecard is None:
+        parser.error("give a RESULT_DIR or --scorecard")
     if args.out_dir is not None and len(args.result_dirs) != 1:
         parser.error(f"--out_dir takes one RESULT_DIR, got {len(args.result_dirs)}")
     for path in args.result_dirs:
@@ -185,9 +191,16 @@ def _report(args: argparse.Namespace) -> None:
         replaced, changed = update_readme(args.readme, dirs, write=not args.check)
         stale += [f"{args.readme} (results: {name})" for name in changed] if args.check else []
         missing = sorted({Path(p).resolve().name for p in dirs} - set(replaced))
-        if not args.check:
+        if not args.check and args.result_dirs:
             print(f"{args.readme}: {len(replaced)} section(s) regenerated ({', '.join(replaced) or 'none'})"
                   + (f"; no section for {', '.join(missing)}" if missing else ""))
+    if args.scorecard is not None:
+        from lightning_maskprior.study import scorecard
+
+        changed = scorecard.write(args.scorecard, args.readme, check=args.check)
+        stale += changed if args.check else []
+        if not args.check:
+            print(f"{args.scorecard}: regenerated" + (f" ({', '.join(changed)} changed)" if changed else ""))
     if stale:
         print("out of date (run the same command without --check):\n  " + "\n  ".join(stale), file=sys.stderr)
         sys.exit(1)
