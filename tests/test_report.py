@@ -307,7 +307,7 @@ def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     out = capsys.readouterr().out
-    for option in ("RESULT_DIR", "--readme", "--out_dir", "--no_figures", "--check"):
+    for option in ("RESULT_DIR", "--readme", "--out_dir", "--no_figures", "--check", "--scorecard"):
         assert option in out
     assert "<!-- results: NAME -->" in out
 

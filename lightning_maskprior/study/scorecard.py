@@ -33,7 +33,8 @@ RULE = """\
   perplexity, or twice our std over seeds where that is wider;
 - **same order**: not that, but the method stands against the Default of its row as in the paper (both better,
   both worse, or both level within the tolerance); the best verdict open to a row at CPU scale or on proxy data,
-  whose numbers are not at the paper's scale (a Default row has no order: it reproduces or differs);
+  whose numbers are not at the paper's scale (a Default row has no order: at the paper's settings it reproduces
+  or differs);
 - **differs**: neither;
 - **other scale**: a Default row at CPU scale or on proxy data: what its task's other rows are ordered against, its
   number not comparable with the paper's;
