@@ -125,7 +125,7 @@ def test_no_import_cycle_counting_the_imports_for_annotations():
 
 # A study's path, one module per step, each importing only those before it (typing imports included).
 STUDY_PATH = ["paper_results", "spec", "lock", "cell", "launchers", "launchers.local", "launchers.slurm",
-              "launchers.ray", "results", "tables", "figures", "report", "cli"]
+              "launchers.ray", "results", "tables", "figures", "scorecard", "report", "cli"]
 
 
 def test_the_study_path_reads_one_way():

@@ -128,6 +128,7 @@ def test_which_way_is_better_a_cost_and_a_count():
 
     class Task:
         name = "2parity"
+        inits = None  # every init
 
     cells = [Cell(mean=1.0, std=None, n=1), Cell(mean=3.0, std=None, n=1)]
     for better, row in [("none", "| 2parity | 1.0 | 3.0 |"), ("lower", "| 2parity | **1.0** | 3.0 |")]:
@@ -137,13 +138,13 @@ def test_which_way_is_better_a_cost_and_a_count():
 def test_a_value_too_small_for_the_digits_is_not_printed_as_zero():
     """An MSE of 4.2e-05 at 4 decimals is not 0.0000: such a metric's mean (and std) keeps two significant digits;
     wall times (a cost, timing noise) keep their decimals."""
-    from lightning_maskprior.study.tables import Cell, _cell_text
+    from lightning_maskprior.study.tables import Cell, cell_text
 
-    assert _cell_text(Cell(mean=4.182e-05, n=1), 4, 1, small=True) == "4.2e-05"
-    assert _cell_text(Cell(mean=0.037, std=0.008, n=3), 1, 3, small=True) == "3.7e-02 ± 8.0e-03"
-    assert _cell_text(Cell(mean=0.0, std=0.0, n=3), 2, 3, small=True) == "0.00 ± 0.00"  # a true zero stays as it is
-    assert _cell_text(Cell(mean=0.00006, std=0.00001, n=3), 4, 3, small=True) == "0.0001 ± 0.0000"  # not 0 there
-    assert _cell_text(Cell(mean=0.016, std=0.001, n=3), 1, 3) == "0.0 ± 0.0"  # wall minutes of a tiny run: a cost
+    assert cell_text(Cell(mean=4.182e-05, n=1), 4, 1, small=True) == "4.2e-05"
+    assert cell_text(Cell(mean=0.037, std=0.008, n=3), 1, 3, small=True) == "3.7e-02 ± 8.0e-03"
+    assert cell_text(Cell(mean=0.0, std=0.0, n=3), 2, 3, small=True) == "0.00 ± 0.00"  # a true zero stays as it is
+    assert cell_text(Cell(mean=0.00006, std=0.00001, n=3), 4, 3, small=True) == "0.0001 ± 0.0000"  # not 0 there
+    assert cell_text(Cell(mean=0.016, std=0.001, n=3), 1, 3) == "0.0 ± 0.0"  # wall minutes of a tiny run: a cost
 
 
 def test_bold_goes_by_the_printed_mean():
@@ -306,7 +307,7 @@ def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     out = capsys.readouterr().out
-    for option in ("RESULT_DIR", "--readme", "--out_dir", "--no_figures", "--check"):
+    for option in ("RESULT_DIR", "--readme", "--out_dir", "--no_figures", "--check", "--scorecard"):
         assert option in out
     assert "<!-- results: NAME -->" in out
 

@@ -23,6 +23,7 @@ from lightning_maskprior.study import (
     Interrupted,
     StudyError,
     build_parser,
+    check_commands,
     load_study,
     paper_results,
     run_study,
@@ -265,6 +266,22 @@ def test_one_seed_has_no_std(tmp_path, monkeypatch):
     assert rows[0] == "| 2parity | 0.5000 | 0.5000 |" and not any("±" in row for row in rows)
     row = read_csv_table(study.out_dir / "table.csv")["2parity"]
     assert row["default:MSE:std"] == "" and row["default:MSE:n"] == "1"
+
+
+def test_a_task_runs_only_its_inits_and_its_table_leaves_the_others_blank(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    tasks = [{"name": "2parity", "config": str(CONFIGS / "boolean/2parity.yaml")},
+             {"name": "majority3", "config": str(CONFIGS / "boolean/majority3.yaml"), "inits": ["mask"]}]
+    study = load_study(tiny_study(tmp_path / "out", tasks=tasks, seeds=[0]))
+    assert [run.name for run in study.runs()] == ["2parity/default/seed0", "2parity/mask/seed0",
+                                                  "majority3/mask/seed0"]
+    fake_results(study, {(r.task.name, r.init.label, 0): {"val/mse": 0.5, "val/acc": 0.75} for r in study.runs()})
+    assert write_outputs(study, plots=False) == 0
+    md = (study.out_dir / "table.md").read_text()
+    assert "| majority3 |  | 0.5000 |" in md and "Blank: the study does not run that init on that task" in md
+    assert check_commands(study) == 3  # --dry_run parses the commands of the runs there are
+    with pytest.raises(StudyError, match=r"tasks\[1\] \(majority3\).inits: \['qk_opt'\] is not"):
+        load_study(tiny_study(tmp_path / "out", tasks=[tasks[0], {**tasks[1], "inits": ["qk_opt"]}]))
 
 
 # ------------------------------------------------------------------ real tiny runs (in-process)

@@ -9,6 +9,7 @@
     tables.py     table.md / table.csv / per_seed.csv in the paper's layout, from the data files
     figures.py    the figures (PNG and PDF), from the data files
     report.py     `maskprior report`: tables and figures of a result directory, and the README's copies
+    scorecard.py  every number the paper prints beside ours with a verdict, and Table 2 as printed (report --scorecard)
     cli.py        the command: parse, validate, lock, launch, report
 
 The names below are imported when first used, so ``python -m lightning_maskprior.study.cell`` (run once per

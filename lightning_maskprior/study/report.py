@@ -141,7 +141,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="maskprior report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("result_dirs", nargs="+", type=Path, metavar="RESULT_DIR",
+    parser.add_argument("result_dirs", nargs="*", type=Path, metavar="RESULT_DIR",
                         help="A study's result directory: its out_dir (runs/study/<name>) or a published copy "
                         "(docs/results/<name>) holding study.json and results.csv (curves.csv.gz and "
                         "attention_maps.npz for the figures; without them only the tables are written).")
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the data files give (for CI: a hand edit or a forgotten regeneration) and each figure a "
                         "table shows that is missing; say which finished rows rest on the data files alone (no run "
                         "directory holds their result).")
+    parser.add_argument("--scorecard", type=Path, default=None,
+                        help="Also write this scorecard (docs/scorecard.md: every number the paper prints beside "
+                        "ours, with a verdict) and results/table2_as_printed.md beside it, from the result "
+                        "directories in results/ beside it; with --readme also its '<!-- scorecard -->' section.")
     return parser
 
 
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     an output that differs from what the data files give."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if not args.result_dirs and args.scorecard is None:
+        parser.error("give a RESULT_DIR or --scorecard")
     if args.out_dir is not None and len(args.result_dirs) != 1:
         parser.error(f"--out_dir takes one RESULT_DIR, got {len(args.result_dirs)}")
     for path in args.result_dirs:
@@ -193,6 +199,8 @@ def _report(args: argparse.Namespace) -> None:
         print(f"{table}{note}")
     if args.readme is not None:
         stale += _readme(args)
+    if args.scorecard is not None:
+        stale += _scorecard(args)
     if missing:
         print("missing figures (`maskprior report RESULT_DIR` draws them):\n  " + "\n  ".join(missing),
               file=sys.stderr)
@@ -227,8 +235,21 @@ def _readme(args: argparse.Namespace) -> list[str]:
     if args.check:
         return [f"{args.readme} (results: {name})" for name in changed]
     missing = sorted({Path(p).resolve().name for p in dirs} - set(replaced))
-    print(f"{args.readme}: {len(replaced)} section(s) regenerated ({', '.join(replaced) or 'none'})"
-          + (f"; no section for {', '.join(missing)}" if missing else ""))
+    if dirs:
+        print(f"{args.readme}: {len(replaced)} section(s) regenerated ({', '.join(replaced) or 'none'})"
+              + (f"; no section for {', '.join(missing)}" if missing else ""))
+    return []
+
+
+def _scorecard(args: argparse.Namespace) -> list[str]:
+    """Regenerate (or with --check compare) the scorecard, Table 2 as printed and the README's scorecard section;
+    the files that differ, with --check."""
+    from lightning_maskprior.study import scorecard
+
+    changed = scorecard.write(args.scorecard, args.readme, check=args.check)
+    if args.check:
+        return changed
+    print(f"{args.scorecard}: regenerated" + (f" ({', '.join(changed)} changed)" if changed else ""))
     return []
 
 

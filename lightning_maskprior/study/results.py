@@ -51,6 +51,7 @@ class TaskInfo:
     curves: list[str]
     train_fraction: float | None = None  # what the task's configs and arguments set (``task_fraction``), if anything
     series: str | None = None  # the task without its fraction (``sweep_series``): tasks that share it form one sweep
+    inits: list[str] | None = None  # the init labels its row runs (None: all)
 
 
 @dataclass
@@ -140,7 +141,8 @@ def study_info(study: Study) -> dict[str, Any]:
         "paper_tables": list(study.paper_tables),
         "tasks": [{"name": t.name, "paper": t.paper, "train_fraction": task_fraction(study, t),
                    "series": sweep_series(study, t), "metrics": [asdict(m) for m in t.metrics],
-                   "curves": list(t.curves)} for t in study.tasks],
+                   "curves": list(t.curves), **({"inits": t.inits} if t.inits is not None else {})}
+                  for t in study.tasks],
         "inits": [{"name": i.name, "label": i.label, "variant": init_variant(i.config, i.args)} for i in study.inits],
     }
 
@@ -394,7 +396,7 @@ def _results_rows(path: Path, info: dict[str, Any]) -> list[RunRow]:
     reader = csv.DictReader(io.StringIO(_read(path, "results table"), newline=""))
     runs = []
     expected = {(t["name"], i["label"], int(s)) for t in info["tasks"] for i in info["inits"]
-                for s in info["seeds"]}
+                for s in info["seeds"] if i["label"] in (t.get("inits") or [i["label"]])}
     lines: dict[tuple[str, str, int], int] = {}  # the line of each run's row: one row per run
     for number, row in enumerate(reader, start=2):
         where = f"{path}, line {number}"
@@ -450,8 +452,9 @@ def _curves(path: Path) -> dict[tuple[str, str, int, str], list]:
     return curves
 
 
-def load(path: str | Path, maps: bool = True) -> ResultSet:
-    """Read a result directory (study.json and results.csv; curves.csv.gz and attention_maps.npz if there).
+def load(path: str | Path, maps: bool = True, curves: bool = True) -> ResultSet:
+    """Read a result directory (study.json and results.csv; with ``curves`` and ``maps`` also curves.csv.gz and
+    attention_maps.npz if there).
 
     A data file that is cut short, corrupt or unreadable raises ResultFileError naming it."""
     path = Path(path)
@@ -461,12 +464,12 @@ def load(path: str | Path, maps: bool = True) -> ResultSet:
                                     "it; `maskprior study -c FILE --table_only true` rewrites it from the runs)")
     info = _study_info(path / ResultDir.STUDY)
     tasks = [TaskInfo(t["name"], t["paper"], [Metric(**m) for m in t["metrics"]], list(t["curves"]),
-                      t["train_fraction"], t.get("series")) for t in info["tasks"]]
+                      t["train_fraction"], t.get("series"), t.get("inits")) for t in info["tasks"]]
     inits = [InitInfo(i["name"], i["label"], i.get("variant")) for i in info["inits"]]
     runs = _results_rows(path / ResultDir.RESULTS, info)
     result = ResultSet(path, info["title"], list(info["seeds"]), [str(t) for t in info["paper_tables"]],
                        tasks, inits, runs)
-    if (path / ResultDir.CURVES).is_file():
+    if curves and (path / ResultDir.CURVES).is_file():
         result.curves = _curves(path / ResultDir.CURVES)
     if maps and (path / ResultDir.MAPS).is_file():
         import numpy as np

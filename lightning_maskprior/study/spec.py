@@ -89,6 +89,12 @@ class TaskEntry:
     """This row's curve tags, replacing the study's."""
     paper: str | None = None
     """The task's key in the paper's tables (default: name)."""
+    inits: list[str] | None = None
+    """The labels of the study's inits this row runs (default: all); the table leaves its other cells blank."""
+
+    def runs_init(self, label: str) -> bool:
+        """Whether this row runs the init labelled ``label``."""
+        return self.inits is None or label in self.inits
 
 
 @dataclass
@@ -184,7 +190,8 @@ class Study:
 
     def runs(self) -> list[Run]:
         """Every cell, seed by seed: a study stopped early has the first seeds of every task and init."""
-        return [Run(self, task, init, seed) for seed in self.seeds for task in self.tasks for init in self.inits]
+        return [Run(self, task, init, seed) for seed in self.seeds for task in self.tasks for init in self.inits
+                if task.runs_init(init.label)]
 _documenting = 0
 
 
@@ -381,6 +388,11 @@ def _inits(study: Study, bases: list[Path]) -> list[InitEntry]:
         init.args = [str(a) for a in init.args]
         inits.append(init)
     _check_unique([init.label for init in inits], "inits (labels)")
+    for i, task in enumerate(study.tasks):
+        unknown = sorted(set(task.inits or []) - {init.label for init in inits})
+        if unknown or task.inits == []:
+            raise StudyError(f"tasks[{i}] ({task.name}).inits: {unknown or task.inits} is not a non-empty list of "
+                             f"the study's init labels {[init.label for init in inits]}")
     return inits
 
 
@@ -589,7 +601,7 @@ def check_commands(study: Study) -> int:
 
     checked = 0
     for task in study.tasks:
-        for init in study.inits:
+        for init in filter(lambda init: task.runs_init(init.label), study.inits):
             run = Run(study, task, init, study.seeds[0])
             out, err = io.StringIO(), io.StringIO()
             try:

@@ -115,11 +115,11 @@ def _tiny(value: float, digits: int) -> bool:
 
 def _shown(mean: float, digits: int, small: bool) -> float:
     """The mean as the table prints it: rounded to ``digits``, or to two significant digits when ``small``
-    keeps a tiny one (see ``_cell_text``)."""
+    keeps a tiny one (see ``cell_text``)."""
     return float(f"{mean:.1e}") if small and _tiny(mean, digits) else round(mean, digits)
 
 
-def _cell_text(cell: Cell, digits: int, seeds: int, small: bool = False) -> str:
+def cell_text(cell: Cell, digits: int, seeds: int, small: bool = False) -> str:
     """``small``: a mean too small for ``digits`` keeps two significant digits (metrics; not wall times)."""
     if cell.text is not None:
         return cell.text
@@ -135,7 +135,7 @@ def _cell_text(cell: Cell, digits: int, seeds: int, small: bool = False) -> str:
 
 
 def best(cells: list[Cell], digits: int, better: str, small: bool = False) -> set[int]:
-    """Indices of the best means as printed (``small``: see ``_cell_text``); none when fewer than two differ
+    """Indices of the best means as printed (``small``: see ``cell_text``); none when fewer than two differ
     (nothing to mark)."""
     shown = {i: _shown(c.mean, digits, small) for i, c in enumerate(cells) if c.mean is not None and c.text is None}
     if len(set(shown.values())) < 2:
@@ -151,7 +151,8 @@ def _table(result: ResultSet, title: str, rows: list[tuple[TaskInfo, list[Cell]]
              "|---|" + "---:|" * len(result.inits)]
     for task, cells in rows:
         bold = best(cells, digits, better, small) if better in ("higher", "lower") else set()
-        texts = [_cell_text(c, digits, len(result.seeds), small) for c in cells]
+        texts = [cell_text(c, digits, len(result.seeds), small) if task.inits is None or init.label in task.inits
+                 else "" for c, init in zip(cells, result.inits, strict=True)]  # blank: the row does not run it
         texts = [f"**{t}**" if i in bold else t for i, t in enumerate(texts)]
         lines.append("| " + " | ".join([task.name, *texts]) + " |")
         if any(c.paper is not None for c in cells):
@@ -229,6 +230,8 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
         lines.append(columns)
     lines.append("- Bold: the best mean of each task in each metric's table; ties at the printed precision are all "
                  "bold, and nothing is bold where every method ties.")
+    if any(t.inits is not None for t in result.tasks):
+        lines.append("- Blank: the study does not run that init on that task (the task's `inits`).")
     if result.paper_tables:
         titles = "; ".join(paper_results.TABLES[t]["title"] for t in result.paper_tables)
         lines.append(f"- *paper*: {paper_results.PAPER}. {titles}. – where the paper has no number.")
@@ -240,7 +243,7 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
                      "spelt as the runs log it? `tensorboard --logdir <run>` lists them).")
     bare = _without_curves(result)
     if bare:
-        shown = ", ".join(bare[:6]) + (f" and {len(bare) - 6} more" if len(bare) > 6 else "")
+        shown = ", ".join(bare)  # every one: a reader of a published table sees which curves it lacks
         lines.append(f"- {len(bare)} finished run(s) have no curves in curves.csv.gz (they logged none of their task's "
                      "`curves` tags, or were kept from a result directory without their curves), so the curve figures "
                      f"leave them out: {shown}.")
