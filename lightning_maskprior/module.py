@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable, instantiate_class
 from lightning.pytorch.core.saving import save_hparams_to_yaml
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -28,7 +28,13 @@ from lightning_maskprior.attention import (
     attention_layers,
     check_parameterisation,
 )
-from lightning_maskprior.checkpoints import check_checkpoint_fits
+from lightning_maskprior.checkpoints import (
+    STRUCTURE_KEY,
+    check_checkpoint_fits,
+    same_structure,
+    structure_from_state,
+    structure_state,
+)
 from lightning_maskprior.contracts import check_backbone, prefix_tokens, uses_structure
 from lightning_maskprior.discover import DiscoverySpec
 from lightning_maskprior.inits import apply_init, check_init_options, get_init
@@ -189,6 +195,7 @@ class MaskPriorModule(L.LightningModule):
         objective: str | None = None,
         task: TaskSpec | None = None,
         datamodule: dict[str, Any] | None = None,
+        discovered_structure: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if task is None:
@@ -270,6 +277,10 @@ class MaskPriorModule(L.LightningModule):
             raise ValueError(f"structure {spec!r}: expected a structure (pairs, heads, layers, file or builder), "
                              f"discover:<method> or {{discover: <method>, options: {{...}}}} with a method in "
                              f"{sorted(ESTIMATORS)} or module.path:function")
+        recorded = self.hparams.get("discovered_structure")
+        if isinstance(recorded, dict) and recorded.get("method") == method:  # the run's own: not estimated again
+            heads = recorded.get("heads")
+            return StructureSpec(heads=heads) if heads is not None else StructureSpec(pairs=recorded["pairs"])
         if not self.hparams.get("datamodule"):
             raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
         start = time.perf_counter()
@@ -310,10 +321,28 @@ class MaskPriorModule(L.LightningModule):
                 hparams["discovered_structure"] = self.hparams["discovered_structure"]
                 save_hparams_to_yaml(Path(log_dir) / "hparams.yaml", hparams)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The structure the model trained with, whatever built it (a file, a plug-in, an estimator): what a reload
+        # measures against, though the config's structure may since build another.
+        if self.structure is not None:
+            checkpoint[STRUCTURE_KEY] = structure_state(self.structure)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this before load_state_dict: a checkpoint of another config fails here, in the
         # config's terms ("trained with dim 64, the config asks for 16"), not as a list of size mismatches.
         check_checkpoint_fits(checkpoint, self)
+        saved = checkpoint.get(STRUCTURE_KEY)
+        if saved is not None:
+            self.structure = self._trained_structure(structure_from_state(saved))
+
+    def _trained_structure(self, trained: Structure) -> Structure:
+        """The structure a checkpoint trained with, over the one the config built now, naming a difference."""
+        built = self.structure
+        if built is None or not same_structure(built, trained):
+            now = "none" if built is None else f"{built!r}"
+            rank_zero_warn(f"the checkpoint was trained with {trained!r}; the config's structure now builds {now} (its "
+                           "file, builder or estimator changed?): the run is measured against the one it trained with")
+        return trained
 
     # ------------------------------------------------------------------------------ steps
     def forward(self, inputs: Tensor) -> Tensor:

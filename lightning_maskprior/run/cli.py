@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -37,7 +38,7 @@ from lightning_maskprior.callbacks.rng import RNGStates
 from lightning_maskprior.callbacks.signals import FinalCheckpoint, StopOnSignal
 from lightning_maskprior.datamodules.base import MaskPriorDataModule
 from lightning_maskprior.module import MaskPriorModule
-from lightning_maskprior.run import allocator, checks, config_files, errors, precision
+from lightning_maskprior.run import allocator, checks, config_files, errors, precision, record
 from lightning_maskprior.run import status as run_status
 from lightning_maskprior.run.atomic import AtomicCheckpointIO
 from lightning_maskprior.run.resume import ResumedOptions
@@ -84,6 +85,7 @@ class MaskPriorCLI(LightningCLI):
     """
 
     checkpoint: Checkpoint | None = None
+    resumed: record.Resumed | None = None
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data", "model.task", apply_on="instantiate", compute_fn=_task_spec)
@@ -125,6 +127,21 @@ class MaskPriorCLI(LightningCLI):
             trainer.precision, line = precision.resolve(trainer.get("accelerator"), trainer.get("precision"))
             if line:
                 rank_zero_info(line)
+        if self.subcommand == "fit":
+            self.resumed = self._resumed()
+
+    def _resumed(self) -> record.Resumed | None:
+        """A fit resumed from a checkpoint of a run directory with a record: the options it changes from the record,
+        after refusing (one line, exit 2) one that cannot change mid-run, before anything is written."""
+        run_dir = self.checkpoint.run_dir if self.checkpoint is not None else None
+        if run_dir is None:
+            return None
+        config = yaml.safe_load(self._parser("fit").dump(self.config.fit, skip_none=False))
+        try:
+            changes = record.resumed_changes(run_dir, config)
+        except record.RecordError as err:
+            _bad_input(str(err))
+        return None if changes is None else record.Resumed(run_dir, self.checkpoint.global_step, changes)
 
     def instantiate_classes(self) -> None:
         # A bad value a datamodule, structure, init or module refuses while being built is bad input: one line and
@@ -163,9 +180,13 @@ class MaskPriorCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, ReadOnceCheckpointIO(self.checkpoint)]
         try:  # Lightning refuses a trainer option (devices 0, an accelerator this machine lacks...) here
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ValueError, TypeError) as err:
             _bad_input(f"trainer: {err}")
+        for callback in trainer.callbacks:
+            if isinstance(callback, record.RunRecord):
+                callback.resumed = self.resumed
+        return trainer
 
     def _logger(self, logger: Any, root: str | None) -> Any:
         """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``."""
@@ -476,6 +497,7 @@ def _run_cli(args: list[str] | None) -> None:
         subclass_mode_data=True,
         trainer_defaults={"default_root_dir": "runs"},
         parser_kwargs={subcommand: defaults for subcommand in ("fit", "validate", "test", "predict")},
+        save_config_callback=record.RunRecord,
         save_config_kwargs={"overwrite": True},
         args=args,
         auto_configure_optimizers=False,
