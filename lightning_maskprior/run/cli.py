@@ -127,6 +127,8 @@ class MaskPriorCLI(LightningCLI):
             trainer.precision, line = precision.resolve(trainer.get("accelerator"), trainer.get("precision"))
             if line:
                 rank_zero_info(line)
+        if self.subcommand is not None:
+            _use_discovered_structure(self.config[self.subcommand].model, self.checkpoint)
         if self.subcommand == "fit":
             self.resumed = self._resumed()
 
@@ -382,6 +384,16 @@ def _other_run(checkpoint: Checkpoint, config) -> str | None:
     if isinstance(then, int) and isinstance(now, int) and not isinstance(now, bool) and then != now:
         problems.append(f"seed_everything: checkpoint {then}, config {now}")
     return "; ".join(problems) or None
+
+
+def _use_discovered_structure(model_config, checkpoint: Checkpoint | None) -> None:
+    """A run whose structure an estimator found (``discover:<method>``) is resumed, tested or reloaded with the
+    structure its checkpoint records, not with what the estimator would find now."""
+    if checkpoint is None or not checkpoint.is_read:
+        return
+    found = checkpoint.hparams.get("discovered_structure")
+    if isinstance(found, dict) and model_config is not None:
+        model_config.discovered_structure = found
 
 
 def _without_purge_step(trainer_config) -> None:
