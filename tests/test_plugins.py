@@ -54,6 +54,14 @@ def first_pair(datamodule, first: int = 0) -> Discovery:
     return Discovery("first_pair", datamodule.task_spec().seq_len, [(first, first + 1)])
 
 
+def first_pair_from_env(datamodule) -> Discovery:
+    """Opens the pair starting at the token MASKPRIOR_TEST_FIRST names: an estimator whose result changes."""
+    import os
+
+    first = int(os.environ.get("MASKPRIOR_TEST_FIRST", "0"))
+    return Discovery("first_pair_from_env", datamodule.task_spec().seq_len, [(first, first + 1)])
+
+
 def ring(seq_len: int, width: int = 1) -> Structure:
     """Each token with its neighbours up to width away, around a ring."""
     index = torch.arange(seq_len)
@@ -202,6 +210,24 @@ def test_an_estimator_of_the_users_in_the_discover_command_and_a_model(plugin_pa
                              datamodule=datamodule)
     assert module.hparams["discovered_structure"]["pairs"] == [[0, 1]]
     assert discover.discover(plugin("first_pair"), BooleanGOTUDataModule(n=6), first=3).pairs == [(3, 4)]
+
+
+def test_a_reload_and_a_resume_keep_the_structure_an_estimator_found_for_the_run(plugin_path, tmp_path, tiny_args,
+                                                                                 monkeypatch):
+    """The estimator would now return another structure: load_run and --ckpt_path last use the checkpoint's."""
+    monkeypatch.setenv("MASKPRIOR_TEST_FIRST", "0")
+    args = ["-c", str(CONFIGS / "boolean/2parity.yaml"), "--model.init", "mask", "--model.structure",
+            f"discover:{plugin('first_pair_from_env')}", *tiny_args, "--trainer.max_epochs", "1"]
+    main(["fit", *args])
+    (run,) = (tmp_path / "runs").glob("*/version_0")
+    monkeypatch.setenv("MASKPRIOR_TEST_FIRST", "2")
+    module, _ = load_run(run)
+    assert module.hparams["discovered_structure"]["pairs"] == [[0, 1]]
+    assert module.structure.open[0, 0, 0, 1] and not module.structure.open[0, 0, 2, 3]
+    main(["fit", *args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    last = torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] > 0 and last["hyper_parameters"]["discovered_structure"]["pairs"] == [[0, 1]]
+    assert yaml.safe_load((run / "hparams.yaml").read_text())["discovered_structure"]["pairs"] == [[0, 1]]
 
 
 def tiny_study(tmp_path, **changes) -> dict:

@@ -77,9 +77,8 @@ def test_a_changed_lr_schedule_takes_effect_at_the_resumed_step(tmp_path, then, 
 
 @pytest.mark.parametrize("option,value,why", [
     ("--data.init_args.batch_size", "8", "data.init_args.batch_size cannot change when resuming run"),
-    ("--model.backbone.init_args.mlp_dim", "64", "model.backbone.init_args.mlp_dim cannot change when resuming run"),
-    ("--model.parameterisation", "relative", "model.parameterisation cannot change when resuming run"),
-], ids=["batch-size", "width", "parameterisation"])
+    ("--model.backbone.init_args.dropout", "0.1", "model.backbone.init_args.dropout cannot change when resuming run"),
+], ids=["batch-size", "backbone"])
 def test_an_option_that_cannot_change_mid_run_is_refused_in_one_line(tmp_path, capsys, option, value, why):
     assert _fit(ONE_EPOCH, tmp_path) == 0
     before = _files(tmp_path)
@@ -124,3 +123,46 @@ def test_segments_replay_in_order_and_a_broken_changes_file_is_named(tmp_path):
     run.changes.write_text("[1, 2]")
     with pytest.raises(record.RecordError, match="changes.yaml is not a list of {step, changed} segments"):
         record.replay(run)
+
+
+# ----------------------------------------------------------------------------------------- reloading a run
+def _edit_config(run: Path, edit) -> None:
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    edit(config["model"])
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda model: model["backbone"]["init_args"].update(mlp_dim=64),
+     "model.backbone.init_args.mlp_dim: checkpoint 32, config 64"),
+    (lambda model: model.update(parameterisation="low_rank"), "model.parameterisation: checkpoint 'full', config "
+                                                              "'low_rank'"),
+    (lambda model: model.update(prior_rank=2), "model.prior_rank: checkpoint 8, config 2"),
+], ids=["width", "parameterisation", "rank"])
+def test_load_run_names_an_edited_width_parameterisation_or_rank(tmp_path, edit, named):
+    from lightning_maskprior import load_run
+    from lightning_maskprior.checkpoints import CheckpointError
+
+    assert _fit(ONE_EPOCH, tmp_path) == 0
+    run = _run(tmp_path)
+    _edit_config(run, edit)
+    with pytest.raises(CheckpointError, match=named.replace("(", r"\(")):
+        load_run(run)
+
+
+def test_a_reload_measures_against_the_structure_the_run_trained_with_when_its_file_changed(tmp_path):
+    """The structure file was overwritten after the fit: load_run's module holds the trained structure (from the
+    checkpoint) and says that the config's now builds another."""
+    from lightning_maskprior import load_run
+
+    trained = torch.eye(6, dtype=torch.bool)
+    trained[0, 1] = trained[1, 0] = True
+    path = tmp_path / "structure.pt"
+    torch.save(trained, path)
+    assert _fit([*ONE_EPOCH, "--model.structure", f"{{file: {path}}}"], tmp_path / "runs") == 0
+    other = torch.eye(6, dtype=torch.bool)
+    other[2, 3] = other[3, 2] = True
+    torch.save(other, path)
+    with pytest.warns(UserWarning, match="checkpoint was trained with Structure.*the config's structure now builds"):
+        module, _ = load_run(_run(tmp_path / "runs"))
+    assert torch.equal(module.structure.open[0, 0], trained)
