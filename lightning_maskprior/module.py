@@ -40,7 +40,7 @@ from lightning_maskprior.discover import DiscoverySpec
 from lightning_maskprior.inits import apply_init, check_init_options, get_init
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.objectives import build_objective
-from lightning_maskprior.plugins import resolve
+from lightning_maskprior.plugins import calling, resolve
 from lightning_maskprior.priors import Structure, StructureSpec
 from lightning_maskprior.task import TaskSpec
 
@@ -98,6 +98,10 @@ def check_module_options(init: str, init_options: dict | None, lr_schedule: str,
     """The module's own options, checked as ``MaskPriorModule`` does before it builds anything (also what a
     study's ``--dry_run`` checks for every run); a ValueError naming the option, its value and what it expects."""
     check_parameterisation(parameterisation, prior_rank)
+    if parameterisation != "low_rank" and prior_rank != DEFAULT_RANK:
+        raise ValueError(f"prior_rank {prior_rank!r} is an option of the low_rank parameterisation, but "
+                         f"parameterisation is {parameterisation!r}; expected --model.parameterisation low_rank, or "
+                         "no prior_rank")
     if lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -222,15 +226,21 @@ class MaskPriorModule(L.LightningModule):
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
         self.prior_weight_decay = prior_weight_decay
         self.objective_name = objective
-        self.objective = build_objective(objective, task) if objective is not None else task.objective
+        with calling("objective", objective):
+            self.objective = build_objective(objective, task) if objective is not None else task.objective
 
         self.backbone = backbone(task)
         check_backbone(self.backbone)
         self.structure = self._resolve_structure(structure)
         self.init_options = {**task.init_defaults.get(init, {}), **(init_options or {})}
         self.parameterisation = parameterisation
+        tokens = self.task.seq_len + prefix_tokens(self.backbone)
+        if parameterisation == "low_rank" and prior_rank > tokens:
+            raise ValueError(f"prior_rank {prior_rank} is above the {tokens} tokens of the prior: a low_rank M of rank "
+                             f"{prior_rank} would be no lower than full; expected a rank from 1 to {tokens}")
         set_parameterisation(self.backbone, parameterisation, prior_rank)
-        apply_init(init, self.backbone, self.structure, **self.init_options)
+        with calling("init", init):
+            apply_init(init, self.backbone, self.structure, **self.init_options)
         self.projection_error = _report_projection(self.backbone, parameterisation)
 
         self.metrics = nn.ModuleDict({s: self.objective.make_metrics() for s in ("val", "test")})
@@ -246,7 +256,8 @@ class MaskPriorModule(L.LightningModule):
             spec = StructureSpec(builder=spec)  # a structure builder's name or import path
         if isinstance(spec, str | DiscoverySpec):
             spec = self._discovered(spec)
-        structure = spec.build(self.task.seq_len) if spec is not None else self.task.structure
+        with calling("structure", getattr(spec, "builder", None)):
+            structure = spec.build(self.task.seq_len) if spec is not None else self.task.structure
         if structure is None:
             return None
         to_sequence = getattr(self.backbone, "structure_for_sequence", None)
