@@ -166,3 +166,13 @@ def test_a_reload_measures_against_the_structure_the_run_trained_with_when_its_f
     with pytest.warns(UserWarning, match="checkpoint was trained with Structure.*the config's structure now builds"):
         module, _ = load_run(_run(tmp_path / "runs"))
     assert torch.equal(module.structure.open[0, 0], trained)
+
+
+def test_ckpt_path_last_resumes_an_older_run_of_this_config_when_the_newest_has_another_width(tmp_path):
+    """Two runs of one task, init and seed: the newest with another width. ``last`` takes the older one, which the
+    config builds exactly, instead of refusing the newest's shapes."""
+    assert _fit(ONE_EPOCH, tmp_path) == 0  # version_0, mlp_dim 32
+    assert _fit([*ONE_EPOCH, "--model.backbone.init_args.mlp_dim", "64"], tmp_path) == 0  # version_1, the newest
+    assert _fit([*BOOLEAN, "--trainer.max_epochs", "2", "--ckpt_path", "last"], tmp_path) == 0
+    (older,) = tmp_path.glob("*/version_0/checkpoints/last.ckpt")
+    assert torch.load(older, map_location="cpu", weights_only=True)["global_step"] == 6

@@ -371,11 +371,12 @@ def _resolve_last(config, subcommand: str) -> Checkpoint:
 
 
 def _other_run(checkpoint: Checkpoint, config) -> str | None:
-    """How the run of ``checkpoint`` differs from the one ``config`` describes (binding options, seed), or None for
-    the same run."""
+    """How the run of ``checkpoint`` differs from the one ``config`` describes (binding options, the options that
+    shape its weights, seed), or None for the same run."""
     try:
         problems = checks.binding_mismatch(checkpoint.hparams, config.get("model"),
                                            _datamodule_spec(config.get("data")))
+        problems += checks.shape_mismatch(checkpoint.hparams, config.get("model"))  # an older run may fit exactly
     except checks.CheckpointError:
         return None  # unreadable: choosing it names the problem
     run_dir = checkpoint.run_dir

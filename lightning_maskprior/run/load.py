@@ -7,12 +7,9 @@ from typing import Any
 
 from lightning_maskprior.checkpoints import CheckpointError
 from lightning_maskprior.module import MaskPriorModule, build_datamodule
-from lightning_maskprior.run.checks import binding_mismatch
+from lightning_maskprior.run.checks import binding_mismatch, shape_mismatch
 from lightning_maskprior.run.precision import FALLBACK
-from lightning_maskprior.run.record import differences, flatten
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, find_checkpoint
-
-_SHAPE_OPTIONS = ("backbone", "parameterisation", "prior_rank")  # what load_run compares beside binding_mismatch
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_location: Any = "cpu"):
@@ -38,7 +35,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
         config = owner.config()
         hparams = Checkpoint(ckpt).hparams
         problems = [*binding_mismatch(hparams, config.get("model") or {}, owner.data_spec()),
-                    *_shape_mismatch(hparams, config.get("model") or {})]
+                    *shape_mismatch(hparams, config.get("model") or {})]
         if problems:
             raise CheckpointError(f"{owner.config_path} does not describe the run of checkpoint {ckpt}: "
                                   f"{'; '.join(problems)}. Expected the config.yaml its fit wrote (restore it), or "
@@ -49,19 +46,6 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
     datamodule = build_datamodule(spec)
     datamodule.setup("validate")
     return module, datamodule
-
-
-def _shape_mismatch(hparams: dict[str, Any], model: dict[str, Any]) -> list[str]:
-    """``model.<option>: checkpoint X, config Y`` for each option that shapes the trained weights (the backbone's,
-    the parameterisation, the prior's rank) where config.yaml says another value than the checkpoint: the module
-    is built from the checkpoint's, and the CLI refuses such a pair."""
-    problems = []
-    for key in _SHAPE_OPTIONS:
-        if key in hparams and key in model:
-            then, now = flatten({key: hparams[key]}), flatten({key: model[key]})
-            problems += [f"model.{option}: checkpoint {a!r}, config {b!r}"
-                         for option, (a, b) in differences(then, now).items()]
-    return problems
 
 
 def run_precision(run_dir: str | Path, checkpoint: str | Path | None = None) -> str:
