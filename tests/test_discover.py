@@ -425,3 +425,11 @@ def test_the_family_evaluation_scores_fourier_against_the_planted_pairs(monkeypa
     assert {(i, j) for i in range(12) for j in range(i + 1, 12) if oracle[i, j]} == tasks[0].pairs()
     with pytest.raises(ValueError, match=r"structure is the oracle of a task of your own"):
         BooleanGOTUDataModule("2parity", structure=[[0, 1]])
+
+
+def test_an_unknown_option_is_one_line_not_the_fits_usage(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["discover", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--tolerancee", "0.1"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "unrecognized arguments: --tolerancee 0.1" in err
+    assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err

@@ -136,7 +136,7 @@ class MaskPriorCLI(LightningCLI):
         """A fit resumed from a checkpoint of a run directory with a record: the options it changes from the record,
         after refusing (one line, exit 2) one that cannot change mid-run, before anything is written."""
         run_dir = self.checkpoint.run_dir if self.checkpoint is not None else None
-        if run_dir is None:
+        if run_dir is None or not self.checkpoint.is_read:  # weights_only false: the file is not read here
             return None
         config = yaml.safe_load(self._parser("fit").dump(self.config.fit, skip_none=False))
         try:

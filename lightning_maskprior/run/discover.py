@@ -21,7 +21,7 @@ from lightning_maskprior.attention import attention_layers
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.plugins import is_import_path
 from lightning_maskprior.run import atomic, config_files
-from lightning_maskprior.run.cli import MaskPriorCLI
+from lightning_maskprior.run.cli import MaskPriorCLI, OneLineParser
 
 
 def estimator_option_names(*others: str) -> dict[str, list[str]]:
@@ -196,6 +196,7 @@ def _datamodule(configs: list[str], overrides: list[str]) -> tuple[Any, MaskPrio
         cli = MaskPriorCLI(MaskPriorModule, L.LightningDataModule, subclass_mode_data=True, run=False,
                            args=[*argv, "--trainer.default_root_dir", root], auto_configure_optimizers=False,
                            save_config_callback=None,  # the configs compose over the CLI's defaults, as in a fit
+                           parser_class=OneLineParser,  # an unknown option: one line, not the fit's whole usage
                            parser_kwargs={"default_config_files": [str(p) for p in config_files.default_files()]})
     return cli.datamodule, cli.model
 
