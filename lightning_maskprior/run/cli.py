@@ -7,7 +7,8 @@ The configs compose over ``configs/trainer/default.yaml`` (``config_files.defaul
 A run with no logger configured logs to ``<default_root_dir>/<task>-<init>-seed<seed>/version_N`` (e.g.
 ``runs/2parity-mask-seed0/version_0``), with its configuration and final metrics in TensorBoard's HPARAMS tab.
 A fit keeps ``<log_dir>/checkpoints/last.ckpt``; ``--ckpt_path last`` resumes the newest one exactly, in the
-same run directory. Exit codes (run/status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT
+same run directory, whose config.yaml stays as the run started: the options a resume changes are appended to the
+run's record (run/record.py). Exit codes (run/status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT
 after saving last.ckpt.
 """
 
