@@ -12,6 +12,9 @@ import torch
 from torch import nn
 
 from lightning_maskprior.attention import PRIOR_PARAMETER_NAMES, PRIOR_PARAMETERS
+from lightning_maskprior.priors import Structure
+
+STRUCTURE_KEY = "maskprior_structure"  # a checkpoint's entry for the structure its model trained with
 
 
 class CheckpointError(ValueError):
@@ -121,3 +124,27 @@ def check_checkpoint_fits(checkpoint: Mapping[str, Any], model: nn.Module, path:
     if bad is not None:
         raise CheckpointError(f"{name} holds a prior that is not finite: {bad}; expected finite prior logits (the file "
                               "was edited, or saved from a diverged run): use an earlier checkpoint")
+
+
+# ------------------------------------------------------------------------------- the trained structure
+def structure_state(structure: Structure) -> dict[str, Any]:
+    """``structure`` as tensors and plain values, for a checkpoint (loaded with ``weights_only=True``)."""
+    return {"open": structure.open, "name": structure.name, "values": structure.values}
+
+
+def structure_from_state(state: Mapping[str, Any]) -> Structure:
+    """The Structure a checkpoint recorded (:func:`structure_state`); a CheckpointError if it is not one."""
+    try:
+        return Structure(state["open"], name=str(state.get("name", "structure")), values=state.get("values"))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"the checkpoint's {STRUCTURE_KEY} is not a structure ({err}); expected the one its "
+                              "fit saved") from None
+
+
+def same_structure(a: Structure, b: Structure) -> bool:
+    """Whether two structures open the same pairs with the same values."""
+    if a.open.shape != b.open.shape or not torch.equal(a.open, b.open):
+        return False
+    if (a.values is None) != (b.values is None):
+        return False
+    return a.values is None or (a.values.shape == b.values.shape and torch.equal(a.values, b.values))

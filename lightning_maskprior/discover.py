@@ -54,6 +54,7 @@ import argparse
 import inspect
 import itertools
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ from lightning_maskprior.fourier import collapses, relevant_bits, sample_mdi
 from lightning_maskprior.plugins import (
     POSITIONAL,
     PluginError,
+    calling,
     parameters_of,
     registrar,
     resolve,
@@ -287,15 +289,29 @@ def discover(method: str, datamodule: Any, make_module: ModuleFactory | None = N
         if make_module is None:
             raise ValueError(f"estimator {method!r} trains a model: give make_module (the command and "
                              "--model.structure discover:<method> build the run's own)")
-        found = estimator(datamodule, make_module=make_module, **options)
-    else:
+        options = {**options, "make_module": make_module}
+    with calling("estimator", method):
         found = estimator(datamodule, **options)
-    if not isinstance(found, Discovery):
-        raise PluginError(f"estimator {method!r} returned a {type(found).__name__}; expected a Discovery (see "
-                          "lightning_maskprior.discover.Estimator)")
+    check_discovery(found, method, datamodule.task_spec().seq_len)
     if method != "fourier" and contracts.is_boolean_task(datamodule):
         _mark_identifiable(found, datamodule)
     return found
+
+
+def check_discovery(found: Any, method: str, seq_len: int) -> None:
+    """Refuse, naming the estimator, a result that is not a Discovery of ``seq_len`` tokens whose pairs are pairs of
+    token indices in [0, seq_len): a structure built from it would fail later, or open pairs of another task."""
+    where = f"estimator {method!r} returned"
+    if not isinstance(found, Discovery):
+        raise PluginError(f"{where} a {type(found).__name__}; expected a Discovery (see "
+                          "lightning_maskprior.discover.Estimator)")
+    if found.seq_len != seq_len:
+        raise PluginError(f"{where} a Discovery of {found.seq_len!r} tokens; expected the task's {seq_len}")
+    for pair in found.pairs:
+        indices = isinstance(pair, tuple | list) and len(pair) == 2 and all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < seq_len for i in pair)
+        if not indices:
+            raise PluginError(f"{where} the pair {pair!r}; expected two token indices in [0, {seq_len})")
 
 
 def _mark_identifiable(found: Discovery, datamodule: Any) -> None:

@@ -786,8 +786,14 @@ def load_injected(path: str | Path, model_class: type | None = None, **from_pret
             logging.getLogger(record.name).handle(record)
     records = getattr(model.config, HF_IMPLEMENTATION, None) or {}
     setattr(model.config, HF_IMPLEMENTATION, None)
+    from lightning_maskprior.checkpoints import non_finite_priors
+
     inject_prior(model)
     priors = _saved_priors(path)
+    bad = non_finite_priors({"state_dict": priors})
+    if bad is not None:
+        raise ValueError(f"{path} holds a prior that is not finite: {bad}; expected finite prior logits (saved from "
+                         "a diverged model, or edited)")
     model.load_state_dict(priors, strict=False)
     for layer in attention_layers(model):
         record = records.get(str(layer.index))
@@ -796,10 +802,14 @@ def load_injected(path: str | Path, model_class: type | None = None, **from_pret
                 raise ValueError(f"{path}'s config.json records a prior for attention module {layer.index}, but its "
                                  "weights hold none")
             continue
-        record = record or {"scale": 1.0, "trainable": True}
-        layer.prior_scale = float(record["scale"])
+        scale = record.get("scale") if isinstance(record, dict) else None
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not torch.isfinite(torch.tensor(scale)):
+            raise ValueError(f"{path}'s config.json records no scale for the prior of attention module {layer.index} "
+                             f"({HF_IMPLEMENTATION}.{layer.index}: {record!r}); expected the config.json "
+                             "save_pretrained wrote with the prior ({\"scale\": ..., \"trainable\": ...})")
+        layer.prior_scale = float(scale)
         for param in _prior_parameters(layer):
-            param.requires_grad_(bool(record["trainable"]))
+            param.requires_grad_(bool(record.get("trainable", True)))
         layer._record(record)
     return model
 

@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable, instantiate_class
 from lightning.pytorch.core.saving import save_hparams_to_yaml
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -28,13 +28,19 @@ from lightning_maskprior.attention import (
     attention_layers,
     check_parameterisation,
 )
-from lightning_maskprior.checkpoints import check_checkpoint_fits
+from lightning_maskprior.checkpoints import (
+    STRUCTURE_KEY,
+    check_checkpoint_fits,
+    same_structure,
+    structure_from_state,
+    structure_state,
+)
 from lightning_maskprior.contracts import check_backbone, prefix_tokens
 from lightning_maskprior.discover import DiscoverySpec
 from lightning_maskprior.inits import apply_init, check_init_options, get_init, uses_structure
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.objectives import build_objective
-from lightning_maskprior.plugins import resolve
+from lightning_maskprior.plugins import calling, resolve
 from lightning_maskprior.priors import Structure, StructureSpec
 from lightning_maskprior.task import TaskSpec
 
@@ -92,6 +98,10 @@ def check_module_options(init: str, init_options: dict | None, lr_schedule: str,
     """The module's own options, checked as ``MaskPriorModule`` does before it builds anything (also what a
     study's ``--dry_run`` checks for every run); a ValueError naming the option, its value and what it expects."""
     check_parameterisation(parameterisation, prior_rank)
+    if parameterisation != "low_rank" and prior_rank != DEFAULT_RANK:
+        raise ValueError(f"prior_rank {prior_rank!r} is an option of the low_rank parameterisation, but "
+                         f"parameterisation is {parameterisation!r}; expected --model.parameterisation low_rank, or "
+                         "no prior_rank")
     if lr_schedule not in ("constant", "cosine"):
         raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -189,6 +199,7 @@ class MaskPriorModule(L.LightningModule):
         objective: str | None = None,
         task: TaskSpec | None = None,
         datamodule: dict[str, Any] | None = None,
+        discovered_structure: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if task is None:
@@ -215,15 +226,21 @@ class MaskPriorModule(L.LightningModule):
         self.lr_schedule, self.warmup_steps = lr_schedule, warmup_steps
         self.prior_weight_decay = prior_weight_decay
         self.objective_name = objective
-        self.objective = build_objective(objective, task) if objective is not None else task.objective
+        with calling("objective", objective):
+            self.objective = build_objective(objective, task) if objective is not None else task.objective
 
         self.backbone = backbone(task)
         check_backbone(self.backbone)
         self.structure = self._resolve_structure(structure)
         self.init_options = {**task.init_defaults.get(init, {}), **(init_options or {})}
         self.parameterisation = parameterisation
+        tokens = self.task.seq_len + prefix_tokens(self.backbone)
+        if parameterisation == "low_rank" and prior_rank > tokens:
+            raise ValueError(f"prior_rank {prior_rank} is above the {tokens} tokens of the prior: a low_rank M of rank "
+                             f"{prior_rank} would be no lower than full; expected a rank from 1 to {tokens}")
         set_parameterisation(self.backbone, parameterisation, prior_rank)
-        apply_init(init, self.backbone, self.structure, **self.init_options)
+        with calling("init", init):
+            apply_init(init, self.backbone, self.structure, **self.init_options)
         self.projection_error = _report_projection(self.backbone, parameterisation)
 
         self.metrics = nn.ModuleDict({s: self.objective.make_metrics() for s in ("val", "test")})
@@ -239,7 +256,8 @@ class MaskPriorModule(L.LightningModule):
             spec = StructureSpec(builder=spec)  # a structure builder's name or import path
         if isinstance(spec, str | DiscoverySpec):
             spec = self._discovered(spec)
-        structure = spec.build(self.task.seq_len) if spec is not None else self.task.structure
+        with calling("structure", getattr(spec, "builder", None)):
+            structure = spec.build(self.task.seq_len) if spec is not None else self.task.structure
         if structure is None:
             return None
         to_sequence = getattr(self.backbone, "structure_for_sequence", None)
@@ -270,6 +288,10 @@ class MaskPriorModule(L.LightningModule):
             raise ValueError(f"structure {spec!r}: expected a structure (pairs, heads, layers, file or builder), "
                              f"discover:<method> or {{discover: <method>, options: {{...}}}} with a method in "
                              f"{sorted(ESTIMATORS)} or module.path:function")
+        recorded = self.hparams.get("discovered_structure")
+        if isinstance(recorded, dict) and recorded.get("method") == method:  # the run's own: not estimated again
+            heads = recorded.get("heads")
+            return StructureSpec(heads=heads) if heads is not None else StructureSpec(pairs=recorded["pairs"])
         if not self.hparams.get("datamodule"):
             raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
         start = time.perf_counter()
@@ -310,10 +332,28 @@ class MaskPriorModule(L.LightningModule):
                 hparams["discovered_structure"] = self.hparams["discovered_structure"]
                 save_hparams_to_yaml(Path(log_dir) / "hparams.yaml", hparams)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The structure the model trained with, whatever built it (a file, a plug-in, an estimator): what a reload
+        # measures against, though the config's structure may since build another.
+        if self.structure is not None:
+            checkpoint[STRUCTURE_KEY] = structure_state(self.structure)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this before load_state_dict: a checkpoint of another config fails here, in the
         # config's terms ("trained with dim 64, the config asks for 16"), not as a list of size mismatches.
         check_checkpoint_fits(checkpoint, self)
+        saved = checkpoint.get(STRUCTURE_KEY)
+        if saved is not None:
+            self.structure = self._trained_structure(structure_from_state(saved))
+
+    def _trained_structure(self, trained: Structure) -> Structure:
+        """The structure a checkpoint trained with, over the one the config built now, naming a difference."""
+        built = self.structure
+        if built is None or not same_structure(built, trained):
+            now = "none" if built is None else f"{built!r}"
+            rank_zero_warn(f"the checkpoint was trained with {trained!r}; the config's structure now builds {now} (its "
+                           "file, builder or estimator changed?): the run is measured against the one it trained with")
+        return trained
 
     # ------------------------------------------------------------------------------ steps
     def forward(self, inputs: Tensor) -> Tensor:

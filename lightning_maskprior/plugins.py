@@ -17,9 +17,11 @@ refused with one :class:`PluginError` naming the plug-in and what it lacks.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -43,8 +45,13 @@ REGISTRIES: dict[str, tuple[str, str]] = {
 # the registered plug-ins when they are registered, and one named by import path when it is resolved.
 CHECKS: dict[str, Callable[[str, Any], None]] = {}
 
-__all__ = ["CHECKS", "KIND_NAMES", "PluginError", "REGISTRIES", "import_path", "is_import_path", "registrar",
-           "registry", "resolve"]
+__all__ = ["CHECKS", "KIND_NAMES", "PluginError", "PluginFailed", "REGISTRIES", "calling", "import_path",
+           "is_import_path", "registrar", "registry", "resolve"]
+
+
+class PluginFailed(RuntimeError):
+    """An exception raised in a user's own plug-in (or while importing its module): not the project's check of a
+    value, so it keeps its traceback (chained to this one, which names the plug-in) and the command exits 1."""
 
 
 def is_import_path(name: str) -> bool:
@@ -88,10 +95,13 @@ def import_path(path: str, what: str = "plug-in") -> Any:
         raise PluginError(f"{what} {path!r}: an import path must look like 'package.module:attribute'")
     try:
         target: Any = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - the user's module: a missing package, or its own error on import
-        reason = f"{type(err).__name__}: {err}"
-        hint = "; is its directory on the Python path (PYTHONPATH)?" if isinstance(err, ModuleNotFoundError) else ""
-        raise PluginError(f"{what} {path!r}: module {module_name!r} cannot be imported ({reason}){hint}") from None
+    except ModuleNotFoundError as err:
+        if not _names_the_module(err, module_name):
+            raise PluginFailed(f"{what} {path!r}: importing module {module_name!r} failed") from err
+        raise PluginError(f"{what} {path!r}: module {module_name!r} cannot be imported ({type(err).__name__}: {err}); "
+                          "is its directory on the Python path (PYTHONPATH)?") from None
+    except Exception as err:  # the module's own code failed while it was imported: the user's traceback
+        raise PluginFailed(f"{what} {path!r}: importing module {module_name!r} failed") from err
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise PluginError(f"{what} {path!r}: module {module_name!r} has no attribute {attribute!r}")
@@ -148,3 +158,37 @@ def without_default(params: list[inspect.Parameter]) -> list[str]:
 def shown(params: list[inspect.Parameter]) -> str:
     """The names of ``params`` as an error shows them."""
     return ", ".join(p.name for p in params) or "nothing"
+
+
+# ----------------------------------------------------------------------- calling a user's plug-in
+def _names_the_module(err: ModuleNotFoundError, module_name: str) -> bool:
+    """Whether ``err`` says that ``module_name`` (or a package above it) is missing, not a module it imports."""
+    missing = err.name or ""
+    return module_name == missing or module_name.startswith(f"{missing}.")
+
+
+@contextlib.contextmanager
+def calling(kind: str, name: Any) -> Iterator[None]:
+    """Run code that calls the plug-in ``name`` of ``kind``: an exception raised inside a user's own plug-in (one
+    named by import path, raised in its module's code) becomes :class:`PluginFailed` naming it, chained to the
+    original so its traceback is shown; the project's own checks of a value stay one-line errors."""
+    try:
+        yield
+    except (PluginError, PluginFailed):
+        raise
+    except Exception as err:
+        if isinstance(name, str) and is_import_path(name) and _raised_in_module(err, name.partition(":")[0]):
+            raise PluginFailed(f"{KIND_NAMES[kind]} {name!r} raised {type(err).__name__}: {err}") from err
+        raise
+
+
+def _raised_in_module(err: BaseException, module_name: str) -> bool:
+    """Whether a frame of ``err``'s traceback runs code of ``module_name``'s file."""
+    module = sys.modules.get(module_name)
+    source = getattr(module, "__file__", None)
+    tb = err.__traceback__
+    while source is not None and tb is not None:
+        if tb.tb_frame.f_code.co_filename == source:
+            return True
+        tb = tb.tb_next
+    return False

@@ -13,6 +13,7 @@ import torch
 
 from conftest import CONFIGS, ROOT, TINY_BOOLEAN
 from lightning_maskprior.cli import main
+from lightning_maskprior.run import record
 from lightning_maskprior.run.atomic import AtomicCheckpointIO
 from lightning_maskprior.run.rundir import RunDir
 from lightning_maskprior.run.tensorboard import read_scalars
@@ -108,15 +109,16 @@ def test_a_command_line_option_wins_on_resume(trained, tmp_path):
     shutil.copytree(trained, root)
     main(["fit", *config(), *COMMON, "--trainer.max_epochs", "4", "--trainer.check_val_every_n_epoch", "2",
           "--trainer.default_root_dir", str(root), "--ckpt_path", "last", "--model.lr_schedule", "constant"])
-    run_config = (root / "2parity-mask-seed0/version_0/config.yaml").read_text()
-    assert "lr_schedule: constant" in run_config
+    run = RunDir(root / "2parity-mask-seed0/version_0")
+    assert run.config()["model"]["lr_schedule"] == "cosine"  # config.yaml: how the run started
+    assert record.replay(run)["model.lr_schedule"] == "constant"  # its record: how it went on
     steps_before = torch.load(ckpt(trained), map_location="cpu", weights_only=True)["global_step"]
     scalars = read_scalars(root / "2parity-mask-seed0/version_0")
     before = [lr for step, lr in scalars["train/lr/network"] if step < steps_before]
     # With no scheduler (constant, no warm-up) Lightning's LearningRateMonitor names the tag after the optimizer.
     after = [lr for step, lr in scalars["lr-Adam/network"] if step >= steps_before]
     assert before[-1] < before[0]  # the first fit decayed by cosine
-    assert after and len(set(after)) == 1  # the resumed epoch is constant: the command line's schedule
+    assert after == pytest.approx([1e-3] * len(after)) and after  # the command line's schedule at the config's lr
 
 
 def test_testing_a_resumed_run_with_its_config_keeps_every_curve(trained, tmp_path):
@@ -127,13 +129,14 @@ def test_testing_a_resumed_run_with_its_config_keeps_every_curve(trained, tmp_pa
     version = root / "2parity-mask-seed0/version_0"
     main(["fit", *config(), *COMMON, "--trainer.max_epochs", "5", "--trainer.check_val_every_n_epoch", "2",
           "--trainer.default_root_dir", str(root), "--ckpt_path", "last"])
-    assert "purge_step" in (version / "config.yaml").read_text()
+    assert "purge_step" not in (version / "config.yaml").read_text()  # the record: the config the run started with
     before = read_scalars(version)
-    main(["test", "-c", str(version / "config.yaml"), "--ckpt_path", str(version / "checkpoints/last.ckpt")])
+    main(["test", "-c", str(version / "config.yaml"), "--ckpt_path", str(version / "checkpoints/last.ckpt"),
+          "--trainer.default_root_dir", str(root)])
     after = read_scalars(version)
     for tag, points in before.items():
         assert after[tag][: len(points)] == points, tag
-    assert "test/acc" in after
+    assert "test/acc" in read_scalars(root / "2parity-mask-seed0/version_1")  # a test logs beside the run
 
 
 # ---------------------------------------------------------------------------------------- atomic writes

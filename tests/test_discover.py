@@ -393,6 +393,17 @@ def test_the_structure_is_never_written_over_an_input_config(tmp_path, capsys):
     assert task.read_text() == before
 
 
+def test_the_structure_is_never_written_over_a_file_given_with_an_option(tmp_path, capsys):
+    data = tmp_path / "data.yaml"
+    data.write_text("class_path: lightning_maskprior.datamodules.BooleanGOTUDataModule\ninit_args: {n: 6}\n")
+    before = data.read_text()
+    with pytest.raises(SystemExit) as info:
+        main(["discover", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--data", str(data), "--out", str(data)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"--out {data} is the file given with --data" in err
+    assert data.read_text() == before
+
+
 def test_the_family_evaluation_scores_fourier_against_the_planted_pairs(monkeypatch):
     """benchmarks/discovery_family.py on a few of its tasks: every MDI pair is planted, fourier finds the identifiable
     ones and marks them so, and a planted task's own pairs are its oracle structure."""
@@ -414,3 +425,11 @@ def test_the_family_evaluation_scores_fourier_against_the_planted_pairs(monkeypa
     assert {(i, j) for i in range(12) for j in range(i + 1, 12) if oracle[i, j]} == tasks[0].pairs()
     with pytest.raises(ValueError, match=r"structure is the oracle of a task of your own"):
         BooleanGOTUDataModule("2parity", structure=[[0, 1]])
+
+
+def test_an_unknown_option_is_one_line_not_the_fits_usage(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["discover", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--tolerancee", "0.1"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "unrecognized arguments: --tolerancee 0.1" in err
+    assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err

@@ -616,3 +616,24 @@ def test_load_injected_of_a_model_saved_without_a_prior_and_a_wrong_directory(tm
     assert loaded.config._attn_implementation == "maskprior"
     with pytest.raises(FileNotFoundError, match="nowhere is not a directory; load_injected expects one"):
         load_injected(tmp_path / "nowhere")
+
+
+def test_load_injected_refuses_a_prior_that_is_not_finite_or_whose_scale_config_json_lacks(tmp_path):
+    """A saved M holding NaN, or a config.json without the prior's scale, is refused naming the module: it would
+    otherwise load and generate tokens (NaN), or run with scale 1 instead of the one it was saved with."""
+    import json
+
+    from lightning_maskprior.inject import load_injected
+
+    model = random_prior(gpt2())
+    model.save_pretrained(tmp_path / "no_scale")
+    config = json.loads((tmp_path / "no_scale" / "config.json").read_text())
+    del config["maskprior"]["1"]
+    (tmp_path / "no_scale" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"records no scale for the prior of attention module 1 \(maskprior.1: None\)"):
+        load_injected(tmp_path / "no_scale")
+    with torch.no_grad():
+        attention_layers(model)[0].prior_logits[0, 0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "nan")
+    with pytest.raises(ValueError, match=r"holds a prior that is not finite: .*prior_logits \(1 NaN, 0 infinite\)"):
+        load_injected(tmp_path / "nan")

@@ -175,6 +175,18 @@ def test_module_reports_the_projection_error_of_a_structure_that_is_not_relative
     assert f"relative error |M - projected|/|M| {module.projection_error:.3g}" in caplog.text
 
 
+def test_a_rank_that_the_prior_would_ignore_is_refused_naming_it():
+    """prior_rank with another parameterisation than low_rank, or above the prior's token count, changes nothing
+    the run trains: refused instead of accepted and ignored."""
+    task = _task(priors.causal_relative_distance(8))
+    with pytest.raises(ValueError, match="prior_rank 3 is an option of the low_rank parameterisation, but "
+                                         "parameterisation is 'full'"):
+        MaskPriorModule(backbone=GPT_TINY, init="mask", task=task, prior_rank=3)
+    with pytest.raises(ValueError, match="prior_rank 9 is above the 8 tokens of the prior"):
+        MaskPriorModule(backbone=GPT_TINY, init="mask", task=task, parameterisation="low_rank", prior_rank=9)
+    assert MaskPriorModule(backbone=GPT_TINY, init="mask", task=task, parameterisation="low_rank", prior_rank=8)
+
+
 def test_low_rank_module_round_trips_through_a_lightning_checkpoint(tmp_path):
     task = _task(priors.causal_relative_distance(8))
     module = MaskPriorModule(backbone=GPT_TINY, init="mask", task=task, parameterisation="low_rank", prior_rank=3)
@@ -190,7 +202,8 @@ def test_low_rank_module_round_trips_through_a_lightning_checkpoint(tmp_path):
         assert trained.prior_left.shape == (1, 8, 3)
         assert torch.equal(trained.prior_matrix(), reloaded.prior_matrix())
     with pytest.raises(CheckpointError, match="parameterisation 'low_rank', the config asks for 'full'"):
-        MaskPriorModule.load_from_checkpoint(tmp_path / "low_rank.ckpt", task=task, parameterisation="full")
+        MaskPriorModule.load_from_checkpoint(tmp_path / "low_rank.ckpt", task=task, parameterisation="full",
+                                             prior_rank=8)  # the default rank: a rank is low_rank's option alone
 
 
 def test_cli_fits_the_gpt_with_a_relative_prior_and_its_checkpoint_reloads(tmp_path):

@@ -54,6 +54,25 @@ def first_pair(datamodule, first: int = 0) -> Discovery:
     return Discovery("first_pair", datamodule.task_spec().seq_len, [(first, first + 1)])
 
 
+def first_pair_from_env(datamodule) -> Discovery:
+    """Opens the pair starting at the token MASKPRIOR_TEST_FIRST names: an estimator whose result changes."""
+    import os
+
+    first = int(os.environ.get("MASKPRIOR_TEST_FIRST", "0"))
+    return Discovery("first_pair_from_env", datamodule.task_spec().seq_len, [(first, first + 1)])
+
+
+def raises_inside(backbone, structure) -> None:
+    """An init method with a bug of its own."""
+    raise ValueError("a bug in the user's init")
+
+
+def out_of_range(datamodule) -> Discovery:
+    """Opens a pair past the task's last token."""
+    n = datamodule.task_spec().seq_len
+    return Discovery("out_of_range", n, [(0, n)])
+
+
 def ring(seq_len: int, width: int = 1) -> Structure:
     """Each token with its neighbours up to width away, around a ring."""
     index = torch.arange(seq_len)
@@ -101,6 +120,7 @@ def plugin_path(tmp_path_factory):
     (root / PACKAGE).mkdir()
     (root / PACKAGE / "__init__.py").write_text("")
     (root / PACKAGE / "ext.py").write_text(textwrap.dedent(PLUGINS))
+    (root / PACKAGE / "broken.py").write_text("import maskprior_no_such_dependency\n")
     sys.path.insert(0, str(root))
     yield root
     sys.path.remove(str(root))
@@ -202,6 +222,56 @@ def test_an_estimator_of_the_users_in_the_discover_command_and_a_model(plugin_pa
                              datamodule=datamodule)
     assert module.hparams["discovered_structure"]["pairs"] == [[0, 1]]
     assert discover.discover(plugin("first_pair"), BooleanGOTUDataModule(n=6), first=3).pairs == [(3, 4)]
+
+
+def test_a_reload_and_a_resume_keep_the_structure_an_estimator_found_for_the_run(plugin_path, tmp_path, tiny_args,
+                                                                                 monkeypatch):
+    """The estimator would now return another structure: load_run and --ckpt_path last use the checkpoint's."""
+    monkeypatch.setenv("MASKPRIOR_TEST_FIRST", "0")
+    args = ["-c", str(CONFIGS / "boolean/2parity.yaml"), "--model.init", "mask", "--model.structure",
+            f"discover:{plugin('first_pair_from_env')}", *tiny_args, "--trainer.max_epochs", "1"]
+    main(["fit", *args])
+    (run,) = (tmp_path / "runs").glob("*/version_0")
+    monkeypatch.setenv("MASKPRIOR_TEST_FIRST", "2")
+    module, _ = load_run(run)
+    assert module.hparams["discovered_structure"]["pairs"] == [[0, 1]]
+    assert module.structure.open[0, 0, 0, 1] and not module.structure.open[0, 0, 2, 3]
+    main(["fit", *args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    last = torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] > 0 and last["hyper_parameters"]["discovered_structure"]["pairs"] == [[0, 1]]
+    assert yaml.safe_load((run / "hparams.yaml").read_text())["discovered_structure"]["pairs"] == [[0, 1]]
+
+
+@pytest.mark.parametrize("init,raised", [
+    (plugin("raises_inside"), f"init method '{plugin('raises_inside')}' raised ValueError: a bug in the user's init"),
+    (f"{PACKAGE}.broken:anything", f"init method '{PACKAGE}.broken:anything': importing module '{PACKAGE}.broken' "
+                                   "failed"),
+], ids=["raised-in-the-init", "raised-importing-its-module"])
+def test_an_exception_in_a_users_plugin_keeps_its_traceback_and_names_the_plugin(plugin_path, tmp_path, tiny_args,
+                                                                                  init, raised):
+    """Not the project's one-line bad input (exit 2): the user's bug, with its traceback (exit 1)."""
+    path = os.pathsep.join(p for p in (str(plugin_path), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "lightning_maskprior.cli", "fit", "-c",
+                           str(CONFIGS / "boolean/2parity.yaml"), "--model.init", init, *tiny_args], cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" in proc.stderr and raised in proc.stderr, proc.stderr[-3000:]
+
+
+def test_discover_refuses_an_estimators_pair_past_the_task_and_writes_a_result_without_a_summary(plugin_path,
+                                                                                                  tmp_path, capsys):
+    out = tmp_path / "structure.yaml"
+    with pytest.raises(SystemExit) as info:
+        main(["discover", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--method", plugin("out_of_range"),
+              "--data.init_args.n", "6", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "estimator 'maskprior_user_plugins.ext:out_of_range' returned the pair (0, 6); " \
+        "expected two token indices in [0, 6)" in err and not out.exists()
+    main(["discover", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--method", plugin("first_pair"),
+          "--data.init_args.n", "6", "--out", str(out)])  # first_pair gives no summary
+    assert f"{out}: 1 open pair(s)" in capsys.readouterr().out
+    assert "pairs: [[0, 1]]" in out.read_text()
 
 
 def tiny_study(tmp_path, **changes) -> dict:

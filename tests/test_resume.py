@@ -234,10 +234,11 @@ def test_a_changed_learning_rate_takes_effect_on_resume_and_is_recorded(tmp_path
     resumed = _cli([*BOOLEAN, "--trainer.max_epochs", "2", "--ckpt_path", "last",
                     "--model.optimizer.init_args.lr", "0.05"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed at step 3 with options the checkpoint did not train with: model.optimizer.init_args.lr " \
-           "0.001 -> 0.05" in resumed.stdout + resumed.stderr
+    assert "resumed at step 3 with options changed from the run's record: model.optimizer.init_args.lr 0.001 -> " \
+           "0.05, trainer.max_epochs 1 -> 2" in resumed.stdout + resumed.stderr
     assert yaml.safe_load((run / "changes.yaml").read_text()) == [
-        {"step": 3, "changed": {"model.optimizer.init_args.lr": {"checkpoint": 0.001, "config": 0.05}}}]
+        {"step": 3, "changed": {"model.optimizer.init_args.lr": {"old": 0.001, "new": 0.05},
+                                "trainer.max_epochs": {"old": 1, "new": 2}}}]
     lrs = dict(read_scalars(run)["train/lr/network"])
     # Step 3 is still at the first fit's schedule end (its cosine reached 0 there); then 0.05 on the longer schedule.
     assert max(v for s, v in lrs.items() if s < 3) < 0.0011 < 0.003 < min(v for s, v in lrs.items() if s >= 4)

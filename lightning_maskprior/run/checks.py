@@ -101,6 +101,24 @@ def binding_mismatch(hparams: Mapping[str, Any], model: Mapping[str, Any], data:
     return problems
 
 
+# The model options that shape the trained weights: a checkpoint fits only a model built with its values.
+SHAPE_MODEL_OPTIONS = ("backbone", "parameterisation", "prior_rank")
+
+
+def shape_mismatch(hparams: Mapping[str, Any], model: Mapping[str, Any]) -> list[str]:
+    """``model.<option>: checkpoint X, config Y`` for each option of ``SHAPE_MODEL_OPTIONS`` (leaf by leaf: the
+    backbone's ``init_args.dim``...) where the config says another value than the checkpoint's hyperparameters."""
+    from lightning_maskprior.run.record import differences, flatten
+
+    model = _plain(model) or {}
+    problems = []
+    for key in SHAPE_MODEL_OPTIONS:
+        if key in hparams and key in model:
+            changed = differences(flatten({key: _plain(hparams[key])}), flatten({key: model[key]}))
+            problems += [f"model.{option}: checkpoint {a!r}, config {b!r}" for option, (a, b) in changed.items()]
+    return problems
+
+
 def check_checkpoint_binds(checkpoint: Checkpoint, model: Mapping[str, Any], data: Mapping[str, Any] | None) -> None:
     """Raise a CheckpointError naming both sides if the checkpoint was trained on another task, data, init or
     objective."""

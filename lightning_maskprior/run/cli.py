@@ -7,7 +7,8 @@ The configs compose over ``configs/trainer/default.yaml`` (``config_files.defaul
 A run with no logger configured logs to ``<default_root_dir>/<task>-<init>-seed<seed>/version_N`` (e.g.
 ``runs/2parity-mask-seed0/version_0``), with its configuration and final metrics in TensorBoard's HPARAMS tab.
 A fit keeps ``<log_dir>/checkpoints/last.ckpt``; ``--ckpt_path last`` resumes the newest one exactly, in the
-same run directory. Exit codes (run/status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT
+same run directory, whose config.yaml stays as the run started: the options a resume changes are appended to the
+run's record (run/record.py). Exit codes (run/status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT
 after saving last.ckpt.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -37,7 +39,7 @@ from lightning_maskprior.callbacks.rng import RNGStates
 from lightning_maskprior.callbacks.signals import FinalCheckpoint, StopOnSignal
 from lightning_maskprior.datamodules.base import MaskPriorDataModule
 from lightning_maskprior.module import MaskPriorModule
-from lightning_maskprior.run import allocator, checks, config_files, errors, precision
+from lightning_maskprior.run import allocator, checks, config_files, errors, precision, record
 from lightning_maskprior.run import status as run_status
 from lightning_maskprior.run.atomic import AtomicCheckpointIO
 from lightning_maskprior.run.resume import ResumedOptions
@@ -84,6 +86,7 @@ class MaskPriorCLI(LightningCLI):
     """
 
     checkpoint: Checkpoint | None = None
+    resumed: record.Resumed | None = None
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data", "model.task", apply_on="instantiate", compute_fn=_task_spec)
@@ -125,6 +128,23 @@ class MaskPriorCLI(LightningCLI):
             trainer.precision, line = precision.resolve(trainer.get("accelerator"), trainer.get("precision"))
             if line:
                 rank_zero_info(line)
+        if self.subcommand is not None:
+            _use_discovered_structure(self.config[self.subcommand].model, self.checkpoint)
+        if self.subcommand == "fit":
+            self.resumed = self._resumed()
+
+    def _resumed(self) -> record.Resumed | None:
+        """A fit resumed from a checkpoint of a run directory with a record: the options it changes from the record,
+        after refusing (one line, exit 2) one that cannot change mid-run, before anything is written."""
+        run_dir = self.checkpoint.run_dir if self.checkpoint is not None else None
+        if run_dir is None or not self.checkpoint.is_read:  # weights_only false: the file is not read here
+            return None
+        config = yaml.safe_load(self._parser("fit").dump(self.config.fit, skip_none=False))
+        try:
+            changes = record.resumed_changes(run_dir, config)
+        except record.RecordError as err:
+            _bad_input(str(err))
+        return None if changes is None else record.Resumed(run_dir, self.checkpoint.global_step, changes)
 
     def instantiate_classes(self) -> None:
         # A bad value a datamodule, structure, init or module refuses while being built is bad input: one line and
@@ -163,9 +183,13 @@ class MaskPriorCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, ReadOnceCheckpointIO(self.checkpoint)]
         try:  # Lightning refuses a trainer option (devices 0, an accelerator this machine lacks...) here
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ValueError, TypeError) as err:
             _bad_input(f"trainer: {err}")
+        for callback in trainer.callbacks:
+            if isinstance(callback, record.RunRecord):
+                callback.resumed = self.resumed
+        return trainer
 
     def _logger(self, logger: Any, root: str | None) -> Any:
         """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``."""
@@ -348,11 +372,12 @@ def _resolve_last(config, subcommand: str) -> Checkpoint:
 
 
 def _other_run(checkpoint: Checkpoint, config) -> str | None:
-    """How the run of ``checkpoint`` differs from the one ``config`` describes (binding options, seed), or None for
-    the same run."""
+    """How the run of ``checkpoint`` differs from the one ``config`` describes (binding options, the options that
+    shape its weights, seed), or None for the same run."""
     try:
         problems = checks.binding_mismatch(checkpoint.hparams, config.get("model"),
                                            _datamodule_spec(config.get("data")))
+        problems += checks.shape_mismatch(checkpoint.hparams, config.get("model"))  # an older run may fit exactly
     except checks.CheckpointError:
         return None  # unreadable: choosing it names the problem
     run_dir = checkpoint.run_dir
@@ -361,6 +386,16 @@ def _other_run(checkpoint: Checkpoint, config) -> str | None:
     if isinstance(then, int) and isinstance(now, int) and not isinstance(now, bool) and then != now:
         problems.append(f"seed_everything: checkpoint {then}, config {now}")
     return "; ".join(problems) or None
+
+
+def _use_discovered_structure(model_config, checkpoint: Checkpoint | None) -> None:
+    """A run whose structure an estimator found (``discover:<method>``) is resumed, tested or reloaded with the
+    structure its checkpoint records, not with what the estimator would find now."""
+    if checkpoint is None or not checkpoint.is_read:
+        return
+    found = checkpoint.hparams.get("discovered_structure")
+    if isinstance(found, dict) and model_config is not None:
+        model_config.discovered_structure = found
 
 
 def _without_purge_step(trainer_config) -> None:
@@ -476,6 +511,7 @@ def _run_cli(args: list[str] | None) -> None:
         subclass_mode_data=True,
         trainer_defaults={"default_root_dir": "runs"},
         parser_kwargs={subcommand: defaults for subcommand in ("fit", "validate", "test", "predict")},
+        save_config_callback=record.RunRecord,
         save_config_kwargs={"overwrite": True},
         args=args,
         auto_configure_optimizers=False,

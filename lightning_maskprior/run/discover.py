@@ -21,7 +21,7 @@ from lightning_maskprior.attention import attention_layers
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.plugins import is_import_path
 from lightning_maskprior.run import atomic, config_files
-from lightning_maskprior.run.cli import MaskPriorCLI
+from lightning_maskprior.run.cli import MaskPriorCLI, OneLineParser
 
 
 def estimator_option_names(*others: str) -> dict[str, list[str]]:
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
                              f"{', '.join(estimators.estimator_options(method))}")
         options = _parsed(method, given)
         configs = [Path(c) for c in config_files.resolve_argv([a for c in args.config for a in ("-c", c)])[1::2]]
-        _check_out(args.out, configs)
+        _check_out(args.out, configs, overrides)
         if args.run is not None and method != "attention":
             raise ValueError(f"--run is an option of the attention estimator, not of {method!r}")
         datamodule, module = _datamodule(args.config, overrides)
@@ -112,11 +112,12 @@ def main(argv: list[str]) -> None:
     if args.out is None:
         print(text, end="")
         return
-    atomic.write_text(args.out, text)
     layout = "shared by every head" if found.heads(num_heads) is None else f"one interaction per head of {num_heads}"
     unidentified = sum(1 for p in found.pairs if found.identifiable.get(p) is False)
-    print(f"{args.out}: {len(found.pairs)} open pair(s) ({unidentified} not identifiable from the data), {layout}; "
-          f"{found.summary[-1]}")
+    summary = f"; {found.summary[-1]}" if found.summary else ""  # an estimator of yours may give none
+    atomic.write_text(args.out, text)
+    print(f"{args.out}: {len(found.pairs)} open pair(s) ({unidentified} not identifiable from the data), {layout}"
+          f"{summary}")
 
 
 def _plugin_method(argv: list[str]) -> list[str]:
@@ -145,15 +146,24 @@ def _parsed(method: str, given: list[tuple[str, str]]) -> dict[str, Any]:
     return {name: parsed[name] for name, _ in given}
 
 
-def _check_out(out: Path | None, configs: list[Path]) -> None:
-    """Refuse to write the structure over one of the configs it was read from."""
+def _check_out(out: Path | None, configs: list[Path], overrides: list[str] = ()) -> None:
+    """Refuse to write the structure over a file the command reads: one of its configs, or a file an option names
+    (``--data.init_args.X FILE``)."""
     if out is None:
         return
     for config in configs:
-        same = out.resolve() == config.resolve() or (out.exists() and config.exists() and out.samefile(config))
-        if same:
+        if _same_file(out, config):
             raise ValueError(f"--out {out} is the config given with -c {config}: the structure would replace it; "
                              "give another file")
+    named = tuple(arg.partition("=")[0] for arg in overrides if arg.startswith("--"))
+    for _, option, value, _ in config_files.option_values(list(overrides), named):
+        if value and _same_file(out, Path(value)):
+            raise ValueError(f"--out {out} is the file given with {option}: the structure would replace it; give "
+                             "another file")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
 
 
 def _trained(run: Path, module: MaskPriorModule):
@@ -186,6 +196,7 @@ def _datamodule(configs: list[str], overrides: list[str]) -> tuple[Any, MaskPrio
         cli = MaskPriorCLI(MaskPriorModule, L.LightningDataModule, subclass_mode_data=True, run=False,
                            args=[*argv, "--trainer.default_root_dir", root], auto_configure_optimizers=False,
                            save_config_callback=None,  # the configs compose over the CLI's defaults, as in a fit
+                           parser_class=OneLineParser,  # an unknown option: one line, not the fit's whole usage
                            parser_kwargs={"default_config_files": [str(p) for p in config_files.default_files()]})
     return cli.datamodule, cli.model
 

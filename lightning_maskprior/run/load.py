@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_maskprior.checkpoints import CheckpointError
 from lightning_maskprior.module import MaskPriorModule, build_datamodule
-from lightning_maskprior.run.checks import binding_mismatch
+from lightning_maskprior.run.checks import binding_mismatch, shape_mismatch
 from lightning_maskprior.run.precision import FALLBACK
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, find_checkpoint
 
@@ -21,8 +21,9 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
         map_location: Where the weights go (default: the CPU).
 
     The datamodule is built from the run's ``config.yaml`` (the checkpoint's copy of it when there is none); a
-    config.yaml that describes another run than the checkpoint's (an edited task or init) raises a CheckpointError
-    naming both values, as the CLI refuses such a pair. A run
+    config.yaml that describes another run than the checkpoint's (an edited task, init, width, parameterisation or
+    rank) raises a CheckpointError naming both values, as the CLI refuses such a pair. The module is the
+    checkpoint's: the structure it trained with (not what its estimator or builder would give now), its objective. A run
     fine-tuned from a pretrained file (``backbone.init_args.checkpoint_path``) reopens without that file: the
     trained weights are in the checkpoint.
     """
@@ -32,7 +33,9 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
         # The datamodule comes from config.yaml, the model from the checkpoint: the CLI's binding check, so an
         # edited config.yaml never pairs the old model with another task.
         config = owner.config()
-        problems = binding_mismatch(Checkpoint(ckpt).hparams, config.get("model") or {}, owner.data_spec())
+        hparams = Checkpoint(ckpt).hparams
+        problems = [*binding_mismatch(hparams, config.get("model") or {}, owner.data_spec()),
+                    *shape_mismatch(hparams, config.get("model") or {})]
         if problems:
             raise CheckpointError(f"{owner.config_path} does not describe the run of checkpoint {ckpt}: "
                                   f"{'; '.join(problems)}. Expected the config.yaml its fit wrote (restore it), or "

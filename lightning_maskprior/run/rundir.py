@@ -2,7 +2,8 @@
 
 A fit writes ``<root>/<name>/<version>/`` (a :class:`RunDir`, e.g. ``runs/2parity-mask-seed0/version_0``)::
 
-    config.yaml          the whole configuration the fit ran with (precision as used)
+    config.yaml          the whole configuration the fit started with (precision as used), written once
+    changes.yaml         one segment per resume that changed an option: its step, old and new value (record.py)
     hparams.yaml         the module's hyperparameters (Lightning's)
     checkpoints/         last.ckpt after every epoch (or at a ModelCheckpoint's cadence) and at the end; the others
     predictions.csv      what ``maskprior predict`` wrote from one of its checkpoints
@@ -42,7 +43,7 @@ class RunDir:
     CHECKPOINTS = "checkpoints"
     LAST = "last.ckpt"
     PREDICTIONS = "predictions.csv"
-    CHANGES = "changes.yaml"  # options a resumed fit changed, with the step they took effect at (run/resume.py)
+    CHANGES = "changes.yaml"  # options a resumed fit changed, with the step they took effect at (run/record.py)
     FILES_WITHOUT_RESULTS = (CONFIG, HPARAMS, TOKENIZER)  # what a run writes before it has measured anything
 
     def __init__(self, path: str | Path) -> None:
