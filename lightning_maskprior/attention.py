@@ -581,10 +581,26 @@ def softmax_rows(logits: Tensor) -> Tensor:
     return padded.softmax(dim=-1)[..., :n]
 
 
+def active_copy(module: nn.Module) -> nn.Module | None:
+    """The copy a wrapper that keeps several copies of a module runs (PEFT's ``modules_to_save`` wrapper: the
+    active adapter's copy, or the original where adapters are disabled); None for any other module."""
+    copies, original = getattr(module, "modules_to_save", None), getattr(module, "original_module", None)
+    if not isinstance(copies, nn.ModuleDict) or not isinstance(original, nn.Module):
+        return None
+    active = [] if getattr(module, "disable_adapters", False) else [
+        name for name in getattr(module, "active_adapters", []) if name in copies]
+    return copies[active[0]] if active else original
+
+
 def attention_layers(module: nn.Module) -> list[PriorCarrier]:
     """Every layer that can carry a prior inside ``module`` (PriorAttention, and the priors injected into other
-    models' attention), in forward order (module registration order)."""
-    return [m for m in module.modules() if isinstance(m, PriorCarrier)]
+    models' attention), in forward order (module registration order); of a wrapper's copies (PEFT's
+    ``modules_to_save``), the one it runs."""
+    if isinstance(module, PriorCarrier):
+        return [module]
+    active = active_copy(module)
+    children = [active] if active is not None else module.children()
+    return [layer for child in children for layer in attention_layers(child)]
 
 
 @contextmanager

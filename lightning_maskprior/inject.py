@@ -47,7 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_maskprior.attention import PriorAttention, PriorCarrier, attention_layers, kernel_for, softmax_rows
+from lightning_maskprior.attention import (
+    PriorAttention,
+    PriorCarrier,
+    active_copy,
+    attention_layers,
+    kernel_for,
+    softmax_rows,
+)
 from lightning_maskprior.priors import Structure
 
 
@@ -632,10 +639,8 @@ def _prior_of(module: nn.Module) -> HFPrior | None:
     """The prior acting in an attention module: its ``maskprior``, or under PEFT (``modules_to_save=["maskprior"]``)
     the copy of the active adapter (the original where adapters are disabled)."""
     prior = getattr(module, HF_IMPLEMENTATION, None)
-    copies = getattr(prior, "modules_to_save", None)  # PEFT's ModulesToSaveWrapper
-    if copies is not None:
-        active = [] if prior.disable_adapters else [name for name in prior.active_adapters if name in copies]
-        prior = copies[active[0]] if active else prior.original_module
+    copy_run = active_copy(prior) if isinstance(prior, nn.Module) else None
+    prior = prior if copy_run is None else copy_run  # PEFT's ModulesToSaveWrapper runs one of its copies
     return prior if isinstance(prior, HFPrior) else None
 
 

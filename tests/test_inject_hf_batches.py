@@ -125,9 +125,18 @@ def test_under_peft_the_prior_acts_and_trains_beside_lora(name):
     with torch.no_grad():
         before = model(x).logits
         without_prior = remove_prior(copy.deepcopy(model))(x).logits
+    layers = len(attention_layers(model))
     peft_model = lora(model, name)
     with peft_model.disable_adapter(), torch.no_grad():
         torch.testing.assert_close(peft_model(x).logits, before)  # the prior still acts inside PEFT's wrappers
+        originals = [n for n, p in peft_model.named_parameters() if "original_module.prior_logits" in n]
+        off = attention_layers(peft_model)  # the layers run with the adapter off: the originals
+        assert all(layer.prior_logits is peft_model.get_parameter(n) for layer, n in zip(off, originals, strict=True))
+    # what callbacks read: one prior a layer, the copy the adapter trains (not it and the original beside it)
+    trained = [n for n, p in peft_model.named_parameters() if "modules_to_save.default.prior_logits" in n]
+    running = attention_layers(peft_model)
+    assert len(running) == len(trained) == layers
+    assert all(layer.prior_logits is peft_model.get_parameter(n) for layer, n in zip(running, trained, strict=True))
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     assert any("lora_" in n for n in trainable)
     assert any(n.endswith("maskprior.modules_to_save.default.prior_logits") for n in trainable)
