@@ -187,12 +187,12 @@ def test_model_based_estimators_recover_a_planted_structure(method, seed):
     """On a fixed seed of a tiny model (how often each recovers the shipped tasks' structures is measured by the
     discovery study, not here)."""
     datamodule = planted({"x3*x7": 1.0})
-    found = discover(method, datamodule, make_module=tiny_model(datamodule), steps=200, lr=1e-2, seeds=[seed])
+    found = discover(method, datamodule, make_module=tiny_model(datamodule), steps=300, lr=1e-2, seeds=[seed])
     assert found.pairs == [(3, 7)]
     assert "relevant tokens" in found.summary[-1] and found.reasons[(3, 7)].startswith("both relevant")
     # a degree-1 term makes x1 relevant too: its pairs with 3 and 7 open (which of them pair up is not told apart)
     datamodule = planted({"x3*x7": 1.0, "x1": 0.5})
-    found = discover(method, datamodule, make_module=tiny_model(datamodule), steps=200, lr=1e-2, seeds=[seed])
+    found = discover(method, datamodule, make_module=tiny_model(datamodule), steps=300, lr=1e-2, seeds=[seed])
     assert found.pairs == [(1, 3), (1, 7), (3, 7)]
     # the fourier analysis of the same data marks each pair: x3 x7 is in the MDI; x1 is in no product with them
     assert found.identifiable == {(1, 3): False, (1, 7): False, (3, 7): True}

@@ -83,9 +83,14 @@ def test_an_option_that_cannot_change_mid_run_is_refused_in_one_line(tmp_path, c
     assert _fit(ONE_EPOCH, tmp_path) == 0
     before = _files(tmp_path)
     capsys.readouterr()
-    assert _fit([*BOOLEAN, "--trainer.max_epochs", "2", option, value, "--ckpt_path", "last"], tmp_path) == 2
+    checkpoint = str(_run(tmp_path) / "checkpoints" / "last.ckpt")
+    assert _fit([*BOOLEAN, "--trainer.max_epochs", "2", option, value, "--ckpt_path", checkpoint], tmp_path) == 2
     err = capsys.readouterr().err
     assert why in err and "Traceback" not in err, err[-2000:]
+    # `--ckpt_path last` looks for a run of this config; one whose model differs is not it, and the line says why
+    assert _fit([*BOOLEAN, "--trainer.max_epochs", "2", option, value, "--ckpt_path", "last"], tmp_path) == 2
+    err = capsys.readouterr().err
+    assert option.removeprefix("--") in err and "Traceback" not in err, err[-2000:]
     assert _files(tmp_path) == before
 
 
