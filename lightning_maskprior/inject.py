@@ -79,13 +79,8 @@ class InjectedAttention(PriorAttention):
         _save_scale(self, destination, prefix)
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
-        """The saved prior as it was saved: its shape (one M for all heads or one per head), scale and trainability
-        replace the layer's."""
-        for name in _prior_names(state_dict, prefix):
-            held = getattr(self, name, None)
-            if held is not None and held.shape != state_dict[prefix + name].shape:
-                setattr(self, name, None)
-        _load_prior(self, state_dict, prefix, args, scale_key=True)
+        """The saved prior as it was saved (its shape: one M for all heads or one per head) and its scale."""
+        _load_prior(self, state_dict, prefix, args)
 
 
 def _timm_attention() -> type[nn.Module] | None:
@@ -284,14 +279,19 @@ def _prior_names(state_dict: dict, prefix: str) -> list[str]:
             and name not in (_SCALE_KEY, _TRAINABLE_KEY)]
 
 
-def _load_prior(layer: PriorCarrier, state_dict: dict, prefix: str, args: tuple, scale_key: bool) -> None:
+def _load_prior(layer: PriorCarrier, state_dict: dict, prefix: str, args: tuple) -> None:
     """``nn.Module._load_from_state_dict`` for a prior carrier: a prior the state dict has and the layer has not
-    yet is created first (so a fresh injected model loads a trained one), and a saved scale is taken. Where the
-    state dict holds M in another parameterisation than the layer does, the layer's own parameters go: it then
-    holds M the way it was saved, never both (the first would shadow the loaded one, even with ``strict=False``)."""
+    yet, or holds in another shape (one M for all heads or one per head), is created first (so a fresh injected model
+    loads a trained one), and a saved scale is taken. Where the state dict holds M in another parameterisation than
+    the layer does, the layer's own parameters go: it then holds M the way it was saved, never both (the first would
+    shadow the loaded one, even with ``strict=False``)."""
     saved_names = _prior_names(state_dict, prefix)
     if saved_names:
         for name in set(layer.prior_parameters()) - set(saved_names):
+            setattr(layer, name, None)
+    for name in saved_names:
+        held = getattr(layer, name, None)
+        if held is not None and held.shape != state_dict[prefix + name].shape:
             setattr(layer, name, None)
     for name in saved_names:
         if getattr(layer, name, None) is None:
@@ -301,7 +301,7 @@ def _load_prior(layer: PriorCarrier, state_dict: dict, prefix: str, args: tuple,
     nn.Module._load_from_state_dict(layer, state_dict, prefix, *args)
     layer.adopt_held_parameterisation()  # a relative or low-rank prior loads as one
     key = prefix + _SCALE_KEY
-    if scale_key and key in state_dict:
+    if key in state_dict:
         layer.prior_scale = float(state_dict[key])
         _drop_unexpected(args, key)
 
@@ -412,11 +412,7 @@ class HFPrior(PriorCarrier):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
         """The saved prior as it was saved: its shape (one M for all heads or one per head), scale and trainability
         replace the layer's."""
-        for name in _prior_names(state_dict, prefix):
-            held = getattr(self, name, None)
-            if held is not None and held.shape != state_dict[prefix + name].shape:
-                setattr(self, name, None)
-        _load_prior(self, state_dict, prefix, args, scale_key=True)
+        _load_prior(self, state_dict, prefix, args)
         trainable = state_dict.get(prefix + _TRAINABLE_KEY)
         if trainable is not None:
             for param in _prior_parameters(self):
