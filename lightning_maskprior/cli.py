@@ -2,7 +2,8 @@
 
     maskprior fit -c boolean/2parity.yaml -c init/mask.yaml     (also validate, test, predict: LightningCLI)
     maskprior study -c study/boolean_cpu.yaml                   (a grid of runs and the paper's tables)
-    maskprior report runs/study/boolean_cpu                     (a study's tables and figures, regenerated)
+    maskprior tune -c tune/quick.yaml                           (an Optuna study over runs: trials, best.yaml)
+    maskprior report runs/study/boolean_cpu                     (a study's or a tune's tables and figures)
     maskprior discover -c boolean/2parity.yaml --out s.yaml     (a structure estimated from the training data)
     maskprior configs                                           (the packaged configs, by short name)
 
@@ -21,6 +22,7 @@ from lightning_maskprior.run import config_files
 # subcommand -> (module, function): the function takes the arguments after the subcommand.
 COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("lightning_maskprior.study.cli", "main"),
+    "tune": ("lightning_maskprior.tune.cli", "main"),
     "report": ("lightning_maskprior.study.report", "main"),
     "discover": ("lightning_maskprior.run.discover", "main"),
     "configs": ("lightning_maskprior.run.config_files", "main"),

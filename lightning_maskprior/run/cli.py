@@ -441,8 +441,9 @@ def _continue_run_directory(config, checkpoint: Checkpoint | None) -> None:
 
 _EPILOG = (
     "more commands: `maskprior study -c study/boolean_cpu.yaml` runs a grid of fits and the paper's table "
-    "(maskprior study --help); `maskprior report DIR` rewrites a study's tables and figures from its result "
-    "directory (maskprior report --help); `maskprior discover -c CONFIG --out FILE` estimates a structure from a "
+    "(maskprior study --help); `maskprior tune -c tune/quick.yaml` searches fit options with Optuna, each trial a "
+    "fit (maskprior tune --help); `maskprior report DIR` rewrites a study's or a tune's tables and figures from "
+    "its directory (maskprior report --help); `maskprior discover -c CONFIG --out FILE` estimates a structure from a "
     "task's training data (maskprior discover --help); `maskprior configs` lists the packaged configs (-c takes "
     "their short names). "
     "`maskprior predict -c CONFIG --ckpt_path RUN/checkpoints/last.ckpt` writes RUN/predictions.csv."

@@ -592,35 +592,40 @@ def _check_fit_config(printed: str) -> None:
                          model.get("warmup_steps", 0), model.get("prior_weight_decay", 0.0))
 
 
-def check_commands(study: Study) -> int:
-    """Parse the full ``maskprior fit`` command of every distinct (task, init) with the CLI's own parser
-    (``--print_config``: parses every option and config, instantiates nothing); raise StudyError naming the
-    task and init whose command does not parse (a misspelled option in a task's args, a bad value).
-    Returns the number of commands checked. Seeds only change seed options, so the first seed stands for all."""
+def print_fit_config(args: list[str]) -> str:
+    """The configuration a full ``maskprior fit`` command parses to (``--print_config`` with the CLI's own parser:
+    every option and config is parsed, nothing is instantiated), after the checks a fit makes of its options before
+    it builds anything; a ValueError with the parser's or the check's message otherwise."""
     from lightning_maskprior.run.cli import main as cli_main
 
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli_main([*args, "--print_config"])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code if isinstance(exit_info.code, int) else (0 if exit_info.code is None else 1)
+    except Exception as error:  # noqa: BLE001  (any error is the command's, report it)
+        code, err = 1, io.StringIO(f"{type(error).__name__}: {error}")
+    if code != 0:
+        raise ValueError(f"the fit command does not parse: {err.getvalue().strip() or f'exit code {code}'}")
+    _check_fit_config(out.getvalue())
+    return out.getvalue()
+
+
+def check_commands(study: Study) -> int:
+    """Parse the full ``maskprior fit`` command of every distinct (task, init) with the CLI's own parser
+    (``print_fit_config``); raise StudyError naming the task and init whose command does not parse (a misspelled
+    option in a task's args, a bad value). Returns the number of commands checked. Seeds only change seed options,
+    so the first seed stands for all."""
     checked = 0
     for task in study.tasks:
         for init in filter(lambda init: task.runs_init(init.label), study.inits):
             run = Run(study, task, init, study.seeds[0])
-            out, err = io.StringIO(), io.StringIO()
             try:
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    cli_main([*run.fit_args(), "--print_config"])
-                code = 0
-            except SystemExit as exit_info:
-                code = exit_info.code if isinstance(exit_info.code, int) else (0 if exit_info.code is None else 1)
-            except Exception as error:  # noqa: BLE001  (any error is the command's, report it)
-                code, err = 1, io.StringIO(f"{type(error).__name__}: {error}")
-            if code != 0:
-                message = err.getvalue().strip() or f"exit code {code}"
-                raise StudyError(f"task {task.name} x init {init.label}: the fit command does not parse: "
-                                 f"{message}\n  command: {format_command(run.fit_args())}")
-            try:
-                _check_fit_config(out.getvalue())
+                print_fit_config(run.fit_args())
             except ValueError as error:
                 raise StudyError(f"task {task.name} x init {init.label}: {error}\n  command: "
                                  f"{format_command(run.fit_args())}") from None
             checked += 1
     return checked
-

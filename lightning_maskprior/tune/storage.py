@@ -1,0 +1,68 @@
+"""Where a tune's Optuna study lives: Optuna's own storages, opened from one URL.
+
+    sqlite:///runs/tune/quick/tune.db                    one file, nothing to start (the default, in out_dir)
+    postgresql://USER:PASSWORD@HOST:5432/DB              any SQLAlchemy URL Optuna's RDBStorage takes (mysql+pymysql...)
+    /shared/tune/quick.log                               a path without '://': an Optuna journal file
+
+Workers (processes, SLURM array tasks, Ray tasks) that name the same storage and study share one study. In an RDB
+storage each worker beats (Optuna's heartbeat): a trial whose worker died is failed after ``grace_period`` seconds
+and retried (``RetryHeartbeatStaleTrialCallback``). The pruning callback inside a trial's fit opens the same
+storage, without a heartbeat, to report to its trial.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import optuna
+
+from lightning_maskprior.tune.spec import TuneError
+
+
+def is_journal(url: str) -> bool:
+    """Whether ``url`` names a journal file (a path) rather than an RDB (``scheme://...``)."""
+    return "://" not in url
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (for messages and the files a tune writes)."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+
+
+def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None,
+                 max_retry: int | None = 3) -> optuna.storages.BaseStorage:
+    """Optuna's storage for ``url``: an RDBStorage (with the heartbeat when ``heartbeat_interval`` is given, and a
+    stale trial retried up to ``max_retry`` times) or a JournalStorage on a file. A TuneError naming the URL when it
+    cannot be opened."""
+    import warnings
+
+    # The heartbeat and its retry callback are marked experimental in Optuna; this project relies on them.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    try:
+        if is_journal(url):
+            from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+            return JournalStorage(JournalFileBackend(url))
+        heartbeat: dict[str, Any] = {}
+        if heartbeat_interval is not None:
+            heartbeat = {
+                "heartbeat_interval": heartbeat_interval, "grace_period": grace_period,
+                "heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(
+                    max_retry=max_retry, inherit_intermediate_values=True),
+            }
+        engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # wait for other writers
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine, **heartbeat)
+    except Exception as err:  # noqa: BLE001  (SQLAlchemy's and the OS's errors alike: the URL cannot be opened)
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TuneError(
+            f"storage {redacted(url)!r} cannot be opened: {reason[:300]}; expected an Optuna RDB URL "
+            "(sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB, ...) it can connect to, or the path of a journal "
+            "file in a writable directory"
+        ) from None
+
+
+def has_heartbeat(storage: optuna.storages.BaseStorage) -> bool:
+    """Whether dead workers' trials are detected in ``storage`` (Optuna's heartbeat: RDB storages)."""
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    return interval is not None and interval() is not None
