@@ -1,6 +1,8 @@
-"""``maskprior report``: a study's tables and figures from its result directory, and the README's copies of them.
+"""``maskprior report``: a study's tables and figures from its result directory, and the README's copies of them;
+a tune's trials table and Optuna's plots from its out_dir.
 
     maskprior report docs/results/boolean_cpu
+    maskprior report runs/tune/quick             (a tune: trials.md, trials.csv, figures/history.png, importance.png...)
     maskprior report --readme README.md docs/results/*
     maskprior report runs/study/boolean_cpu --out_dir docs/results/boolean_cpu     (publish a finished study)
 
@@ -10,6 +12,11 @@ directory, the report writes table.md (tables.py: the paper's layout), table.csv
 figures/<name>.png and .pdf (figures.py). With --readme, the text between ``<!-- results: NAME -->`` and
 ``<!-- /results -->`` in the README is replaced by the tables of the result directory named NAME. Every output is
 generated: edit the code or the data, never the output.
+
+A tune's out_dir (``maskprior tune``) holds tune.json and trials.json (every trial, rewritten from the Optuna storage
+after each one); from trials.json alone the report writes trials.md and trials.csv (one row per trial: state, value,
+parameters, minutes, run directory) and Optuna's matplotlib plots under figures/ (the optimisation history, the
+parameters' importances, the objective against each parameter, the pruner's intermediate values).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from lightning_maskprior.study.results import (
 )
 from lightning_maskprior.study.spec import Study
 from lightning_maskprior.study.tables import markdown, write_csvs
+from lightning_maskprior.tune import record as tune_record
 
 MARKER = re.compile(r"(<!-- results: (?P<name>[^\s>]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 FIGURE_LINK = re.compile(rf"\]\(({ResultDir.FIGURES}/[^)\s]+\.png)\)")  # a figure as table.md shows it
@@ -144,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("result_dirs", nargs="*", type=Path, metavar="RESULT_DIR",
                         help="A study's result directory: its out_dir (runs/study/<name>) or a published copy "
                         "(docs/results/<name>) holding study.json and results.csv (curves.csv.gz and "
-                        "attention_maps.npz for the figures; without them only the tables are written).")
+                        "attention_maps.npz for the figures; without them only the tables are written); or a tune's "
+                        "out_dir (runs/tune/<name>, holding tune.json and trials.json): its trials table and plots.")
     parser.add_argument("--readme", type=Path, default=None,
                         help="A Markdown file whose sections between '<!-- results: NAME -->' and '<!-- /results "
                         "-->' are replaced by the tables of the RESULT_DIR named NAME (links relative to the file).")
@@ -175,9 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.out_dir is not None and len(args.result_dirs) != 1:
         parser.error(f"--out_dir takes one RESULT_DIR, got {len(args.result_dirs)}")
     for path in args.result_dirs:
-        if not ResultDir.holds_results(path):
-            parser.error(f"{path} is not a study's result directory: it needs {ResultDir.STUDY} and "
-                         f"{ResultDir.RESULTS} (a study writes both into its out_dir)")
+        if not ResultDir.holds_results(path) and not tune_record.holds_tune(path):
+            parser.error(f"{path} is not a study's result directory nor a tune's out_dir: it needs {ResultDir.STUDY} "
+                         f"and {ResultDir.RESULTS} (a study writes both into its out_dir), or {tune_record.TUNE} and "
+                         f"{tune_record.TRIALS} (a tune's)")
     if args.readme is not None and not args.readme.is_file():
         parser.error(f"--readme {args.readme}: no such file")
     try:
@@ -190,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
 def _report(args: argparse.Namespace) -> None:
     stale, missing = [], []
     for path in args.result_dirs:
+        if tune_record.holds_tune(path):
+            stale += _tune(path, args)
+            continue
         if args.check:
             stale += _check(path, missing)
             continue
@@ -208,6 +221,28 @@ def _report(args: argparse.Namespace) -> None:
         print("out of date (run the same command without --check):\n  " + "\n  ".join(stale), file=sys.stderr)
     if stale or missing:
         sys.exit(1)
+
+
+def _tune(path: Path, args: argparse.Namespace) -> list[str]:
+    """A tune's trials table and plots (into --out_dir with a copy of its record); with --check, its trials.md if
+    that differs from what trials.json gives."""
+    try:
+        data = tune_record.read_trials(path)
+    except ValueError as err:
+        raise ResultFileError(str(err)) from None
+    if args.check:
+        table = path / tune_record.TABLE
+        expected = tune_record.markdown(data, tune_record.figure_names(path))
+        return [] if table.is_file() and table.read_text() == expected else [str(table)]
+    out = Path(args.out_dir) if args.out_dir is not None else Path(path)
+    if out.resolve() != Path(path).resolve():
+        out.mkdir(parents=True, exist_ok=True)
+        for name in (tune_record.TUNE, tune_record.TRIALS, tune_record.BEST):
+            if (Path(path) / name).is_file():
+                shutil.copyfile(Path(path) / name, out / name)
+    table = tune_record.render(out, figures=not args.no_figures)
+    print(table)
+    return []
 
 
 def _check(path: Path, missing: list[str]) -> list[str]:

@@ -20,7 +20,9 @@ writes the trials table and Optuna's plots.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import statistics
 import sys
 import threading
@@ -354,6 +356,7 @@ class Worker:
         trial_dir = tune.out_dir / name
         runs = trial_runs(tune, trial_dir, params)
         trial.set_user_attr("dir", name)
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("fit_args", runs[0].base_args())
         for run in runs:
             prepare_run(run, tune.threads_per_run)  # resumes a retried trial's interrupted runs

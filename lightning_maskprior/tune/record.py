@@ -26,6 +26,7 @@ BEST = "best.yaml"
 TABLE = "trials.md"
 TABLE_CSV = "trials.csv"
 FIGURES = "figures"
+PLOTS = ("history", "importance", "slice", "intermediate")  # the figures, in the order trials.md shows them
 
 
 def holds_tune(path: str | Path) -> bool:
@@ -153,6 +154,7 @@ def study_of(data: dict[str, Any]) -> Any:
     from optuna.distributions import json_to_distribution
     from optuna.trial import TrialState, create_trial
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no line for the in-memory study
     study = optuna.create_study(direction=data["objective"]["direction"])
     for t in data["trials"]:
         state = TrialState[t["state"]]
@@ -199,8 +201,7 @@ def write_figures(data: dict[str, Any], out_dir: Path) -> tuple[list[str], list[
                 axes = plot(study)
             figure = (axes.flat[0] if hasattr(axes, "flat") else axes).get_figure()
             figure.set_size_inches(max(figure.get_size_inches()[0], 7), max(figure.get_size_inches()[1], 4.5))
-            figure.tight_layout()
-            figure.savefig(path, dpi=120)
+            figure.savefig(path, dpi=120, bbox_inches="tight")
             plt.close(figure)
             written.append(f"{FIGURES}/{name}.png")
         except Exception as err:  # noqa: BLE001  (a plot Optuna cannot draw for this study: say so, draw the rest)
@@ -208,6 +209,11 @@ def write_figures(data: dict[str, Any], out_dir: Path) -> tuple[list[str], list[
             plt.close("all")
             path.unlink(missing_ok=True)
     return written, skipped
+
+
+def figure_names(out_dir: str | Path) -> list[str]:
+    """The plots there are under ``out_dir/figures``, in the order trials.md shows them."""
+    return [f"{FIGURES}/{name}.png" for name in PLOTS if (Path(out_dir) / FIGURES / f"{name}.png").is_file()]
 
 
 def render(out_dir: str | Path, figures: bool = True) -> Path:
@@ -218,14 +224,11 @@ def render(out_dir: str | Path, figures: bool = True) -> Path:
     text = io.StringIO()
     csv.writer(text, lineterminator="\n").writerows([header, *rows])
     atomic.write_text(out_dir / TABLE_CSV, text.getvalue())
-    drawn: list[str] = []
     if figures:
-        drawn, skipped = write_figures(data, out_dir)
+        _, skipped = write_figures(data, out_dir)
         for line in skipped:
             print(f"{out_dir / FIGURES}: not drawn: {line}")
-    else:
-        drawn = [f"{FIGURES}/{p.name}" for p in sorted((out_dir / FIGURES).glob("*.png"))]
-    atomic.write_text(out_dir / TABLE, markdown(data, drawn))
+    atomic.write_text(out_dir / TABLE, markdown(data, figure_names(out_dir)))
     return out_dir / TABLE
 
 
