@@ -26,8 +26,9 @@ class OptunaPruning(Callback):
     """Feed an Optuna pruner from validation: ``trial.report(value, global_step)``, then ``trial.should_prune()``.
 
     Args:
-        trial_file: JSON file holding ``storage`` (an Optuna storage URL or journal file), ``study_name`` and
-            ``trial_id``: the trial this fit reports to.
+        trial_file: JSON file holding ``storage`` (an Optuna storage URL or journal file), ``study_name``,
+            ``trial_id`` (the trial this fit reports to) and ``pruner`` (the study's pruner as class_path and
+            init_args).
         monitor: The logged validation metric reported, e.g. ``val/loss``.
     """
 
@@ -41,11 +42,14 @@ class OptunaPruning(Callback):
         if self._trial is None:
             import optuna
 
+            from lightning_maskprior.tune.spec import instantiate
             from lightning_maskprior.tune.storage import open_storage
 
             spec = json.loads(self.trial_file.read_text())
             storage = open_storage(spec["storage"])  # no heartbeat here: the worker beats for its trial
-            study = optuna.load_study(study_name=spec["study_name"], storage=storage)
+            # A storage keeps no pruner: the tune's is rebuilt here from its class_path and init_args.
+            pruner = instantiate(spec["pruner"], optuna.pruners.BasePruner)
+            study = optuna.load_study(study_name=spec["study_name"], storage=storage, pruner=pruner)
             self._trial = optuna.trial.Trial(study, spec["trial_id"])
         return self._trial
 

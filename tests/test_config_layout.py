@@ -20,7 +20,7 @@ from lightning_maskprior.cli import main  # noqa: E402
 from lightning_maskprior.run import config_files  # noqa: E402
 
 SNAPSHOTS = Path(__file__).resolve().parent / "fixtures" / "print_config"
-NOT_TASKS = ("init", "trainer", "study")
+NOT_TASKS = ("init", "trainer", "study", "tune")
 
 
 def compositions() -> list[tuple[str, ...]]:

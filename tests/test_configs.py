@@ -12,7 +12,7 @@ from lightning_maskprior.cli import main
 READINGS = sorted((CONFIGS / "arithmetic" / "readings").glob("*.yaml"))  # composed after an arithmetic config
 TASK_CONFIGS = sorted(
     p for p in CONFIGS.rglob("*.yaml")
-    if p.relative_to(CONFIGS).parts[0] not in ("init", "trainer", "study") and p not in READINGS
+    if p.relative_to(CONFIGS).parts[0] not in ("init", "trainer", "study", "tune") and p not in READINGS
 )
 COMPOSE_WITH = sorted((CONFIGS / "init").rglob("*.yaml")) + sorted((CONFIGS / "trainer").rglob("*.yaml"))
 BASE = CONFIGS / "boolean" / "2parity.yaml"
@@ -123,3 +123,23 @@ def test_the_paper_arithmetic_configs_are_the_reading_table_2_ran(task):
                            args=("--data.init_args.readout_rows", "dependencies"))
     assert shipped == studied
     assert print_config(paper / "pooled" / f"{task}.yaml") != shipped
+
+
+TUNES = sorted((CONFIGS / "tune").rglob("*.yaml"))  # maskprior tune files: parsed by the tune's own parser
+
+
+def test_there_are_tune_configs():
+    assert {p.stem for p in TUNES} >= {"quick", "pydoc_scale"}
+
+
+@pytest.mark.parametrize("config", TUNES, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_tune_config_parses_and_its_trial_commands_parse(config, monkeypatch):
+    pytest.importorskip("optuna")
+    from lightning_maskprior.tune.cli import build_parser
+    from lightning_maskprior.tune.spec import check_trial_commands, load_tune
+
+    monkeypatch.chdir(CONFIGS.parent)
+    cfg = build_parser().parse_args(["-c", str(config)])
+    tune = load_tune({k: v for k, v in cfg.as_dict().items() if k not in ("config", "dry_run")}, config)
+    assert tune.out_dir == CONFIGS.parent / "runs" / "tune" / config.stem
+    assert check_trial_commands(tune) >= 2 + 2 * len(tune.search)  # as configured, each range's ends, together

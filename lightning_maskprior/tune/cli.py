@@ -190,14 +190,12 @@ class Worker:
 
         from lightning_maskprior.study.launchers import get_launcher
         from lightning_maskprior.tune.spec import TuneError, instantiate
-        from lightning_maskprior.tune.storage import has_heartbeat, is_journal, open_storage, redacted
+        from lightning_maskprior.tune.storage import has_heartbeat, open_storage, redacted
 
         tune = self.tune
         tune.out_dir.mkdir(parents=True, exist_ok=True)
-        self._claim_out_dir()
-        if is_journal(tune.storage):
-            Path(tune.storage).expanduser().parent.mkdir(parents=True, exist_ok=True)
         self.storage = open_storage(tune.storage, tune.heartbeat_interval, tune.grace_period, tune.max_retry)
+        self._claim_out_dir()
         self.heartbeat = has_heartbeat(self.storage)
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # this worker prints a line per trial instead
         try:
@@ -290,7 +288,7 @@ class Worker:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        self.write_record()
+            self.write_record()  # also when a trial stopped the tune (a metric the runs do not log)
         census = self.census()
         running = f"; {len(census['running'])} still running elsewhere" if census["running"] else ""
         best = self._best()
@@ -323,7 +321,6 @@ class Worker:
                                                              inherit_intermediate_values=True)(self.study, frozen)
         print(f"\ninterrupted during trial {frozen.number}; it is retried (from its last checkpoint) when a worker "
               "runs this tune again", flush=True)
-        self.write_record()
 
     def _frozen(self, number: int) -> Any:
         """The study's record of trial ``number`` (Optuna's FrozenTrial, with its system attributes)."""
@@ -362,7 +359,8 @@ class Worker:
             prepare_run(run, tune.threads_per_run)  # resumes a retried trial's interrupted runs
         (trial_dir / PRUNED_FILE).unlink(missing_ok=True)
         write_json(trial_dir / PRUNING_FILE, {"storage": tune.storage, "study_name": tune.study_name,
-                                              "trial_id": trial._trial_id, "trial_number": trial.number})
+                                              "trial_id": trial._trial_id, "trial_number": trial.number,
+                                              "pruner": tune.pruner})
         results = self._execute(runs[:1])
         pruned = _read_json(trial_dir / PRUNED_FILE)
         if pruned is None and results[0][1].get("status") == "ok":

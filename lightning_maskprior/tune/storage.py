@@ -41,9 +41,12 @@ def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     try:
         if is_journal(url):
+            from pathlib import Path
+
             from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-            return JournalStorage(JournalFileBackend(url))
+            Path(url).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            return JournalStorage(JournalFileBackend(str(Path(url).expanduser())))
         heartbeat: dict[str, Any] = {}
         if heartbeat_interval is not None:
             heartbeat = {

@@ -1,0 +1,223 @@
+"""``maskprior tune``: bad input in one line, trials as run directories, pruning, resuming after a killed worker, two
+workers on one study, best.yaml, the report of a tune directory."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("optuna")
+
+from conftest import CONFIGS, TINY_BOOLEAN  # noqa: E402
+from lightning_maskprior.cli import main  # noqa: E402
+from lightning_maskprior.tune.record import read_trials  # noqa: E402
+
+TINY = [*TINY_BOOLEAN, "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "1",
+        "--trainer.enable_model_summary", "false", "--trainer.callbacks", "null"]
+SEARCH = {"model.init_options.scale": {"low": 0.1, "high": 10.0, "log": True},
+          "model.optimizer.init_args.lr": {"low": 1e-3, "high": 1e-2, "log": True}}
+
+
+def tune_file(tmp_path: Path, name: str = "tiny", **changes) -> Path:
+    """A tiny tune (2parity at width 16, two epochs a run) written to ``tmp_path/<name>.yaml``."""
+    tune = {
+        "tasks": [{"name": "2parity", "config": [str(CONFIGS / "boolean/2parity.yaml"),
+                                                 str(CONFIGS / "init/mask.yaml")]}],
+        "args": TINY, "search": SEARCH, "objective": "val/mse", "n_trials": 2,
+        "sampler": {"class_path": "RandomSampler", "init_args": {"seed": 0}},
+        "out_dir": str(tmp_path / "out"), "launcher": "inprocess", "threads_per_run": 1,
+    }
+    tune.update(changes)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tune))
+    return path
+
+
+def run_tune(path: Path, *args: str) -> None:
+    main(["tune", "-c", str(path), *args])
+
+
+def tune_process(path: Path, *args: str, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "lightning_maskprior.cli", "tune", "-c", str(path), *args],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=path.parent)
+
+
+def counted(trials: list[dict]) -> list[dict]:
+    """The trials n_trials counts: not a failed one that was retried, nor one never run."""
+    retried = {t["retries"] for t in trials if t["retries"] is not None}
+    return [t for t in trials if not t["user_attrs"].get("excluded")
+            and not (t["state"] == "FAIL" and t["number"] in retried)]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"search": {**SEARCH, "model.nonexistent": {"low": 1, "high": 2}}},
+         r"search.model.nonexistent: the fit command does not parse: .*unrecognized arguments: --model.nonexistent"),
+        ({"search": {"model.optimizer.init_args.lr": {"low": 0.1, "high": 0.01}}},
+         r"search.model.optimizer.init_args.lr: empty range: low 0.1 >= high 0.01"),
+        ({"search": {"model.init": {"choices": []}}},
+         r"search.model.init: a categorical option needs a non-empty list of choices"),
+        ({"search": {"model.init": {"type": "categorical"}}},
+         r"search.model.init: a categorical option needs a non-empty list of choices"),
+        ({"search": {"model.init_options.scale": {"low": 0.0, "high": 1.0, "log": True}}},
+         r"search.model.init_options.scale: a log scale needs low > 0"),
+        ({"search": {}}, r"search: give at least one option to tune"),
+        ({"storage": "nosuchdb://host/db"}, r"storage 'nosuchdb://host/db' cannot be opened: .*expected an Optuna"),
+        ({"objective": "mse"}, r"objective.metric: expected a tag a run logs, like val/ppl"),
+    ],
+    ids=["unknown-option", "empty-range", "no-choices", "choices-missing", "log-at-zero", "no-search",
+         "storage", "objective-tag"],
+)
+def test_bad_tune_fails_in_one_line_before_any_trial(tmp_path, capsys, change, message):
+    import re
+
+    path = tune_file(tmp_path, **change)
+    with pytest.raises(SystemExit) as exit_info:
+        run_tune(path)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "out" / "trial_0000").exists()
+
+
+def test_a_storage_that_cannot_be_opened_fails_the_run_too(tmp_path, capsys):
+    path = tune_file(tmp_path, storage=str(tmp_path / "a_file" / "tune.log"))
+    (tmp_path / "a_file").write_text("a file where the journal's directory should be\n")
+    with pytest.raises(SystemExit) as exit_info:
+        run_tune(path)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert "cannot be opened" in err and "a_file" in err
+
+
+def test_dry_run_checks_everything_and_runs_nothing(tmp_path, capsys):
+    path = tune_file(tmp_path)
+    run_tune(path, "--dry_run", "true")
+    out = capsys.readouterr().out
+    assert "valid (6 fit commands parsed)" in out and "--model.init_options.scale 0.1" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_metric_no_run_logs_stops_after_the_first_trial_naming_what_was_logged(tmp_path, capsys):
+    path = tune_file(tmp_path, objective="val/nope", prune_on=None)
+    with pytest.raises(SystemExit) as exit_info:
+        run_tune(path)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "logged no 'val/nope'" in err and "val/mse" in err and "val/acc" in err
+    trials = read_trials(tmp_path / "out")["trials"]
+    assert len(trials) == 1 and trials[0]["user_attrs"]["excluded"]  # not counted: a fixed file starts afresh
+    fixed = tune_file(tmp_path, objective="val/mse", prune_on=None, n_trials=1)
+    run_tune(fixed)
+    trials = read_trials(tmp_path / "out")["trials"]
+    assert [t["state"] for t in counted(trials)] == ["COMPLETE"]
+
+
+# ------------------------------------------------------------------------------------------------ trials
+@pytest.fixture(scope="module")
+def finished_tune(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("tune")
+    path = tune_file(tmp_path, n_trials=3, prune_on=None)
+    run_tune(path)
+    return tmp_path / "out"
+
+
+def test_each_trial_is_a_run_directory_and_the_best_one_is_best_yaml(finished_tune, tmp_path, monkeypatch):
+    from lightning_maskprior import load_run
+    from lightning_maskprior.run.tensorboard import last_scalars
+
+    data = read_trials(finished_tune)
+    assert [t["state"] for t in data["trials"]] == ["COMPLETE"] * 3
+    for trial in data["trials"]:
+        run_dir = finished_tune / trial["user_attrs"]["dir"]
+        assert run_dir.name == f"trial_{trial['number']:04d}"
+        assert trial["value"] == pytest.approx(last_scalars(run_dir)["val/mse"])
+        config = yaml.safe_load(next(run_dir.glob("lightning_logs/version_*/config.yaml")).read_text())
+        assert config["model"]["init_options"]["scale"] == pytest.approx(trial["params"]["model.init_options.scale"])
+    load_run(finished_tune / "trial_0000")
+    best = min(data["trials"], key=lambda t: t["value"])
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "-c", str(finished_tune / "best.yaml")])  # runs as is, from anywhere
+    (run,) = (tmp_path / "runs").glob("*/version_0")
+    assert last_scalars(run)["val/mse"] == pytest.approx(best["value"], rel=1e-4)
+
+
+def test_report_on_a_tune_directory_writes_the_trials_table_and_plots(finished_tune, capsys):
+    main(["report", str(finished_tune)])
+    with open(finished_tune / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["trial"] for r in rows] == ["0", "1", "2"] and {r["state"] for r in rows} == {"COMPLETE"}
+    assert "model.init_options.scale" in rows[0] and rows[0]["val/mse"]
+    for name in ("history", "importance", "slice"):
+        png = finished_tune / "figures" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"figures/{name}.png" in (finished_tune / "trials.md").read_text()
+    main(["report", str(finished_tune), "--check"])  # what it wrote is what the record gives
+
+
+def test_a_pruned_trial_stops_its_fit_cleanly(tmp_path):
+    # A pruner that prunes every trial at the first validation: the fit stops there, saves, exits 0.
+    path = tune_file(tmp_path, n_trials=1, args=[*TINY, "--trainer.max_epochs", "20"],
+                     pruner={"class_path": "optuna.pruners.ThresholdPruner", "init_args": {"upper": 0.0}})
+    run_tune(path)
+    (trial,) = read_trials(tmp_path / "out")["trials"]
+    assert trial["state"] == "PRUNED" and trial["user_attrs"]["pruned_step"] >= 1
+    assert list(trial["intermediate_values"]) == [str(trial["user_attrs"]["pruned_step"])]
+    result = json.loads((tmp_path / "out" / "trial_0000" / "result.json").read_text())
+    assert result["status"] == "ok"
+    from lightning_maskprior.run.rundir import Checkpoint, RunDir
+
+    assert Checkpoint(RunDir(tmp_path / "out" / "trial_0000").find_checkpoint()).global_step < 20
+
+
+# ------------------------------------------------------------------------------------------------ workers
+@pytest.mark.parametrize("launcher", ["inprocess", pytest.param("local", marks=pytest.mark.slow)])
+def test_a_killed_worker_s_trial_is_retried_in_its_directory_and_resumes(tmp_path, launcher):
+    """SIGKILL the worker mid-trial (inprocess: its fit dies with it; local: its cell and fit are stopped and save
+    last.ckpt); a rerun waits for the trial's heartbeat to go stale, retries it in the same directory from its last
+    checkpoint, and the study reaches n_trials."""
+    path = tune_file(tmp_path, n_trials=1, heartbeat_interval=1, grace_period=3, prune_on=None, launcher=launcher,
+                     args=[*TINY, "--trainer.max_epochs", "30"])
+    worker = tune_process(path, log=tmp_path / "first.log")
+    ckpt = tmp_path / "out" / "trial_0000" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 120
+    while not ckpt.is_file() and worker.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert ckpt.is_file(), (tmp_path / "first.log").read_text()[-2000:]
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    second = tune_process(path, log=tmp_path / "second.log")
+    assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    trials = read_trials(tmp_path / "out")["trials"]
+    by_number = {t["number"]: t for t in trials}
+    assert by_number[0]["state"] == "FAIL"
+    retry = next(t for t in trials if t["retries"] == 0)
+    assert retry["state"] == "COMPLETE" and retry["user_attrs"]["dir"] == "trial_0000"
+    assert retry["params"] == by_number[0]["params"]
+    assert [t["state"] for t in counted(trials)] == ["COMPLETE"]  # n_trials, the killed one retried
+    result = json.loads((tmp_path / "out" / "trial_0000" / "result.json").read_text())
+    assert result["status"] == "ok" and result["resumed_from"].endswith("last.ckpt")
+
+
+def test_two_workers_share_one_sqlite_study(tmp_path):
+    path = tune_file(tmp_path, n_trials=2, prune_on=None)
+    workers = [tune_process(path, log=tmp_path / f"worker{i}.log") for i in range(2)]
+    for i, worker in enumerate(workers):
+        assert worker.wait(timeout=300) == 0, (tmp_path / f"worker{i}.log").read_text()[-3000:]
+    trials = read_trials(tmp_path / "out")["trials"]
+    done = counted(trials)
+    assert len(done) == 2 and {t["state"] for t in done} == {"COMPLETE"}
+    assert len({t["user_attrs"]["worker"] for t in done}) == 2  # both workers ran trials
+    spans = sorted((t["datetime_start"], t["datetime_complete"], t["user_attrs"]["worker"]) for t in done)
+    assert any(a[2] != b[2] and b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))  # at the same time
+    assert len({t["user_attrs"]["dir"] for t in done}) == 2  # each in its own run directory
