@@ -97,8 +97,9 @@ class Tune:
     search: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The search space: fit options (any option `maskprior fit` takes, dotted, without the leading --, e.g.
     model.optimizer.init_args.lr or model.init_options.scale) mapped to how each is sampled: type (float, int or
-    categorical), low, high, log, step, choices (``--search.help`` is not available; see the Param entry of the
-    docs). Each option is checked against the fit's parser before any trial runs."""
+    categorical; default categorical when choices are given, else float), low and high (the range, low < high),
+    log (a log scale, low > 0), step (the spacing, not with log), choices (a categorical option's values). Each
+    option is parsed by the fit's parser at both ends of its range (each choice) before any trial runs."""
     objective: Objective | dict[str, Any] | str | None = None
     """The trials' score: a metric tag (e.g. val/ppl) or a mapping of metric and direction. It is the mean over
     the trial's runs of each run's last logged value."""

@@ -55,7 +55,7 @@ def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: 
                     max_retry=max_retry, inherit_intermediate_values=True),
             }
         engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # wait for other writers
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine, **heartbeat)
+        return _rdb(url, engine, heartbeat)
     except Exception as err:  # noqa: BLE001  (SQLAlchemy's and the OS's errors alike: the URL cannot be opened)
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TuneError(
@@ -63,6 +63,23 @@ def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: 
             "(sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB, ...) it can connect to, or the path of a journal "
             "file in a writable directory"
         ) from None
+
+
+def _rdb(url: str, engine: dict | None, heartbeat: dict[str, Any], attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Optuna's RDBStorage; workers that start together on a new database race to create its tables (one of them
+    gets an IntegrityError or a locked database): such an error is retried after a moment, the others are not."""
+    import time
+
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine, **heartbeat)
+        except (IntegrityError, OperationalError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def has_heartbeat(storage: optuna.storages.BaseStorage) -> bool:
