@@ -42,8 +42,7 @@ class OptunaPruning(Callback):
         if self._trial is None:
             import optuna
 
-            from lightning_maskprior.tune.spec import instantiate
-            from lightning_maskprior.tune.storage import open_storage
+            from lightning_maskprior.tune.storage import instantiate, open_storage
 
             spec = json.loads(self.trial_file.read_text())
             storage = open_storage(spec["storage"])  # no heartbeat here: the worker beats for its trial

@@ -74,9 +74,11 @@ def counted(trials: list[dict]) -> list[dict]:
         ({"search": {}}, r"search: give at least one option to tune"),
         ({"storage": "nosuchdb://host/db"}, r"storage 'nosuchdb://host/db' cannot be opened: .*expected an Optuna"),
         ({"objective": "mse"}, r"objective.metric: expected a tag a run logs, like val/ppl"),
+        ({"tasks": [{"config": "boolean/nope.yaml"}]},
+         r"tasks\[0\] \(nope\): config 'boolean/nope.yaml' does not exist"),
     ],
     ids=["unknown-option", "empty-range", "no-choices", "choices-missing", "log-at-zero", "no-search",
-         "storage", "objective-tag"],
+         "storage", "objective-tag", "task-config"],
 )
 def test_bad_tune_fails_in_one_line_before_any_trial(tmp_path, capsys, change, message):
     import re

@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
 
         bad_input("maskprior tune needs Optuna, which is not installed; expected the tune extra: "
                   "pip install 'lightning-maskprior[tune]'")
-    from lightning_maskprior.tune.spec import TuneError, check_trial_commands, load_tune
+    from lightning_maskprior.study.spec import StudyError
+    from lightning_maskprior.tune.spec import check_trial_commands, load_tune
+    from lightning_maskprior.tune.storage import StorageError
 
     with field_docstrings():
         parser = build_parser()
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         worker = Worker(tune)
         code = worker.run()
-    except TuneError as err:
+    except (StudyError, StorageError) as err:  # a TuneError, or the study helpers' errors of a task entry
         parser.error(f"{path or 'tune'}: {err}")
     except Interrupted as err:
         sys.exit(128 + int(err.args[0] if err.args else signal.SIGINT))
@@ -189,8 +191,8 @@ class Worker:
         import optuna
 
         from lightning_maskprior.study.launchers import get_launcher
-        from lightning_maskprior.tune.spec import TuneError, instantiate
-        from lightning_maskprior.tune.storage import has_heartbeat, open_storage, redacted
+        from lightning_maskprior.tune.spec import TuneError
+        from lightning_maskprior.tune.storage import has_heartbeat, instantiate, open_storage, redacted
 
         tune = self.tune
         tune.out_dir.mkdir(parents=True, exist_ok=True)

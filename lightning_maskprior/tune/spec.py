@@ -325,19 +325,6 @@ def load_tune(cfg: Any, path: Path | None = None) -> Tune:
     return tune
 
 
-def instantiate(spec: dict[str, Any], base: type, seed_offset: int = 0) -> Any:
-    """The sampler or pruner ``spec`` (``{class_path, init_args}``) describes; a seed in its init_args is offset by
-    ``seed_offset``."""
-    from jsonargparse import ArgumentParser
-
-    init_args = dict(spec["init_args"])
-    if isinstance(init_args.get("seed"), int):
-        init_args["seed"] += seed_offset
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--value", type=base)
-    return parser.instantiate(parser.parse_object({"value": {**spec, "init_args": init_args}})).value
-
-
 # ------------------------------------------------------------------------------------------------ a trial's runs
 def format_value(value: Any) -> str:
     """A parameter's value as a command-line argument (YAML, as jsonargparse reads it)."""

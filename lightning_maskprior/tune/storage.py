@@ -7,7 +7,8 @@
 Workers (processes, SLURM array tasks, Ray tasks) that name the same storage and study share one study. In an RDB
 storage each worker beats (Optuna's heartbeat): a trial whose worker died is failed after ``grace_period`` seconds
 and retried (``RetryHeartbeatStaleTrialCallback``). The pruning callback inside a trial's fit opens the same
-storage, without a heartbeat, to report to its trial.
+storage, without a heartbeat, to report to its trial, and rebuilds the tune's pruner (``instantiate``): this module
+imports Optuna and jsonargparse only, so the callback imports nothing of the tune's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 import optuna
 
-from lightning_maskprior.tune.spec import TuneError
+
+class StorageError(ValueError):
+    """A storage URL that cannot be opened; the message names it (without its password)."""
 
 
 def is_journal(url: str) -> bool:
@@ -33,8 +36,8 @@ def redacted(url: str) -> str:
 def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None,
                  max_retry: int | None = 3) -> optuna.storages.BaseStorage:
     """Optuna's storage for ``url``: an RDBStorage (with the heartbeat when ``heartbeat_interval`` is given, and a
-    stale trial retried up to ``max_retry`` times) or a JournalStorage on a file. A TuneError naming the URL when it
-    cannot be opened."""
+    stale trial retried up to ``max_retry`` times) or a JournalStorage on a file. A StorageError naming the URL when
+    it cannot be opened."""
     import warnings
 
     # The heartbeat and its retry callback are marked experimental in Optuna; this project relies on them.
@@ -58,7 +61,7 @@ def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: 
         return _rdb(url, engine, heartbeat)
     except Exception as err:  # noqa: BLE001  (SQLAlchemy's and the OS's errors alike: the URL cannot be opened)
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise TuneError(
+        raise StorageError(
             f"storage {redacted(url)!r} cannot be opened: {reason[:300]}; expected an Optuna RDB URL "
             "(sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB, ...) it can connect to, or the path of a journal "
             "file in a writable directory"
@@ -86,3 +89,16 @@ def has_heartbeat(storage: optuna.storages.BaseStorage) -> bool:
     """Whether dead workers' trials are detected in ``storage`` (Optuna's heartbeat: RDB storages)."""
     interval = getattr(storage, "get_heartbeat_interval", None)
     return interval is not None and interval() is not None
+
+
+def instantiate(spec: dict[str, Any], base: type, seed_offset: int = 0) -> Any:
+    """The sampler or pruner ``spec`` (``{class_path, init_args}``) describes; a seed in its init_args is offset by
+    ``seed_offset``."""
+    from jsonargparse import ArgumentParser
+
+    init_args = dict(spec["init_args"])
+    if isinstance(init_args.get("seed"), int):
+        init_args["seed"] += seed_offset
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--value", type=base)
+    return parser.instantiate(parser.parse_object({"value": {**spec, "init_args": init_args}})).value
