@@ -118,6 +118,15 @@ CASES = [
      r"init method 'qk_opt': init_options.steps must be a whole number > 0, got -5"),
     ("qk_svd pos_scale zero", fit("--model.init", "qk_svd", "--model.init_options", "{pos_scale: 0}"), 2,
      r"init method 'qk_svd': init_options.pos_scale must be a number > 0, got 0"),
+    ("datamodule option unknown", fit("--data.init_args.nope", "1"), 2,
+     r"data.init_args.nope: lightning_maskprior.datamodules.BooleanGOTUDataModule has no option nope; its options: "
+     r"task, n, target, seen"),
+    ("backbone option unknown", fit("--model.backbone.init_args.nope", "1"), 2,
+     r"model.backbone.init_args.nope: lightning_maskprior.models.TokenTransformer has no option nope; its options: "
+     r"task, dim, depth"),
+    ("discover option unknown", ["discover", "-c", BOOLEAN, "--estimator.init_args.nope", "1"], 2,
+     r"maskprior discover has no option --estimator.init_args.nope; expected -c/--config, --method, --out, --run, "
+     r"an option of estimator 'fourier' \(--tolerance, --noise_multiple; .*\(--data.\*, --model.\*"),
     ("lr zero", fit("--model.optimizer.init_args.lr", "0"), 2,
      r"model.optimizer.init_args.lr must be a number > 0, got 0.0: the fit would train nothing"),
     ("max_epochs zero", fit("--trainer.max_epochs", "0"), 2, r"trainer.max_epochs must be .*, got 0"),

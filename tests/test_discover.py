@@ -461,5 +461,6 @@ def test_an_unknown_option_is_one_line_not_the_fits_usage(capsys):
     with pytest.raises(SystemExit) as info:
         main(["discover", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--tolerancee", "0.1"])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and "unrecognized arguments: --tolerancee 0.1" in err
+    assert info.value.code == 2 and "maskprior discover has no option --tolerancee; expected -c/--config" in err
+    assert "an option of estimator 'fourier' (--tolerance, --noise_multiple;" in err
     assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err

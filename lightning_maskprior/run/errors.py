@@ -46,7 +46,7 @@ def one_line(message: str) -> str:
     VALUE``; anything else with its lines joined."""
     text = str(message).strip()
     if "Parser key" in text:
-        condensed = _parser_message(text)
+        condensed = _not_accepted(text) or _parser_message(text)
         if condensed:
             return condensed
     return re.sub(r"\s*\n\s*", " ", text)
@@ -64,6 +64,28 @@ def _type_name(text: str) -> str:
 def _join(items: list[str]) -> str:
     items = list(dict.fromkeys(items))
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def _not_accepted(text: str) -> str | None:
+    """jsonargparse's ``Parser key "data": ... Problem with given class_path 'pkg.Cls': Option 'nope' is not
+    accepted`` as ``data.init_args.nope: pkg.Cls has no option nope; its options: a, b, ...``."""
+    key = re.search(r'Parser key "([^"]+)"', text)
+    found = re.search(r"Problem with given class_path '([\w.]+)':\s*Option '([^']+)' is not accepted", text)
+    callable_ = re.search(r"Option '([^']+)' is not accepted\. Got value: Namespace\(class_path='([\w.]+)'", text)
+    if not key or not (found or callable_):
+        return None
+    class_path, option = found.groups() if found else callable_.groups()[::-1]
+    line = f"{key.group(1)}.init_args.{option}: {class_path} has no option {option}"
+    try:  # the class is imported already: the parser read its signature
+        import importlib
+        import inspect
+
+        module, _, name = class_path.rpartition(".")
+        parameters = inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
+        names = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return line
+    return f"{line}; its options: {', '.join(names)}" if names else line
 
 
 def _parser_message(text: str) -> str | None:
