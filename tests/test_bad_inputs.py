@@ -590,6 +590,13 @@ OS_CASES = [
      r"x{300}/run.json: File name too long \(ENAMETOOLONG\); expected a shorter name"),
     ("study out_dir under a file", lambda f: ["study", "-c", str(f["study_under_file.yaml"])],
      r"a_file/study\S*: Not a directory \(ENOTDIR\)"),
+    # mkdir of a path that is a file says EEXIST; the cause is a file where a directory is expected
+    ("study out_dir is a file", lambda f: ["study", "-c", str(f["study_under_file.yaml"]), "--out_dir",
+                                           str(f["a_file"])],
+     r"a_file: Not a directory: it is a file \(ENOTDIR; the system said File exists, EEXIST\); expected a directory"),
+    ("discover out under a file", lambda f: ["discover", "-c", BOOLEAN, "--data.init_args.n", "6", "--out",
+                                             str(f["a_file"] / "structure.yaml")],
+     r"a_file: Not a directory: it is a file \(ENOTDIR"),
 ]
 
 

@@ -26,6 +26,10 @@ _OS_EXPECTED = {
 def describe_os_error(err: OSError) -> str:
     """``<path>: <what the OS said> (<ERRNO>); expected <what the path needs>`` in one line."""
     paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    if _file_not_directory(err):
+        # mkdir(exist_ok=True) of a path that is a file: the OS says EEXIST, but the path is not a directory
+        return (f"{paths}: Not a directory: it is a file (ENOTDIR; the system said File exists, EEXIST); expected "
+                "a directory there, or a path that does not exist yet")
     name = errno.errorcode.get(err.errno or 0)
     what = err.strerror or str(err) or type(err).__name__
     expected = _OS_EXPECTED.get(err.errno or 0)
@@ -33,6 +37,18 @@ def describe_os_error(err: OSError) -> str:
     if name:
         line += f" ({name})"
     return f"{line}; expected {expected}" if expected else line
+
+
+def _file_not_directory(err: OSError) -> bool:
+    """An EEXIST whose path is there and is not a directory: what ``mkdir(exist_ok=True)`` raises for a file."""
+    import os
+
+    if err.errno != errno.EEXIST or err.filename is None or err.filename2 is not None:
+        return False
+    try:
+        return os.path.lexists(err.filename) and not os.path.isdir(err.filename)
+    except (TypeError, ValueError):
+        return False
 
 
 def bad_input(message: str) -> NoReturn:
