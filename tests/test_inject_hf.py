@@ -236,6 +236,24 @@ def test_an_hf_decoder_fine_tunes_from_a_save_pretrained_directory(tmp_path, cap
     assert err.startswith("error: pretrained_path") and err.endswith("(nothing is downloaded)")
 
 
+def test_a_pretrained_directory_with_a_weights_file_cut_short_is_one_line_naming_it(tmp_path, capsys):
+    """transformers' loader raised a SafetensorError traceback ("incomplete metadata, file not fully covered")."""
+    from lightning_maskprior.cli import main
+
+    gpt2().save_pretrained(tmp_path / "pretrained")
+    weights = tmp_path / "pretrained" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SystemExit) as exit_info:
+        main(pydoc_args(tmp_path, "--model.backbone.init_args.pretrained_path", str(tmp_path / "pretrained")))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "SafetensorError" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: pretrained_path {weights} is incomplete: {len(whole) // 2} of the {len(whole)} "
+                           "bytes its header describes"), last
+    assert not (tmp_path / "runs").exists()
+
+
 def test_two_ddp_processes_validate_an_injected_hf_decoder_as_one_does(tmp_path):
     """The same seeded, mask-initialised HF decoder validated on the same split by one process and by two gloo
     processes (each half of the blocks): the logged validation loss is the same."""
