@@ -625,6 +625,36 @@ def test_os_errors_are_one_line_through_the_console_script(case, files, tmp_path
     assert sorted(tmp_path.iterdir()) == before  # nothing left behind
 
 
+# A run directory the machine will not let TensorBoard write into (read-only; root ignores file modes, so the event
+# writer's own file write is refused): TensorBoard's writer thread hits the error first.
+READ_ONLY_EVENTS = """
+import errno, sys
+from tensorboard.compat.tensorflow_stub.io import gfile
+
+def refused(self, filename, file_content, mode):
+    raise OSError(errno.EROFS, "Read-only file system", filename)
+
+gfile.LocalFileSystem._write = refused
+from lightning_maskprior.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_read_only_run_directory_is_one_line_without_the_writer_threads_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    argv = [_resolve(a, {"runs": tmp_path / "runs"}) for a in fit_mask()]
+    proc = subprocess.run([sys.executable, "-c", READ_ONLY_EVENTS, *argv], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: \S*/runs/\S*/events\.out\.tfevents\.\S+: Read-only file system \(EROFS\); "
+                        r"expected a writable filesystem \(this one is read-only\)", last), last  # a str, not b'...'
+
+
 def test_a_checkpoint_one_may_not_read_is_named_as_such_not_as_truncated(files, tmp_path, monkeypatch, capsys):
     """A PermissionError reading the checkpoint (root ignores file modes, so it is simulated) is the machine's: one
     line naming the path and EACCES, never "truncated" or "not a zip archive"."""

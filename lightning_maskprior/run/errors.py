@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import errno
+import os
 import re
 import sys
+import threading
 from typing import NoReturn
 
 # What each operating-system error asks of the path, by errno.
@@ -25,7 +27,8 @@ _OS_EXPECTED = {
 
 def describe_os_error(err: OSError) -> str:
     """``<path>: <what the OS said> (<ERRNO>); expected <what the path needs>`` in one line."""
-    paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    paths = " -> ".join(os.fsdecode(p) if isinstance(p, bytes) else str(p)
+                        for p in (err.filename, err.filename2) if p is not None)
     if _file_not_directory(err):
         # mkdir(exist_ok=True) of a path that is a file: the OS says EEXIST, but the path is not a directory
         return (f"{paths}: Not a directory: it is a file (ENOTDIR; the system said File exists, EEXIST); expected "
@@ -41,14 +44,29 @@ def describe_os_error(err: OSError) -> str:
 
 def _file_not_directory(err: OSError) -> bool:
     """An EEXIST whose path is there and is not a directory: what ``mkdir(exist_ok=True)`` raises for a file."""
-    import os
-
     if err.errno != errno.EEXIST or err.filename is None or err.filename2 is not None:
         return False
     try:
         return os.path.lexists(err.filename) and not os.path.isdir(err.filename)
     except (TypeError, ValueError):
         return False
+
+
+def quiet_writer_threads() -> None:
+    """An OSError in TensorBoard's event-writer thread (a read-only or full run directory) is not printed by the
+    thread as a traceback: the writer raises it again in the thread that logs, where the command names it in one
+    line. Any other thread's exception is printed as Python prints it."""
+    default = threading.excepthook
+    if getattr(default, "quiets_writer_threads", False):
+        return  # installed already (main() called again in one process)
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        default(args)
+
+    hook.quiets_writer_threads = True
+    threading.excepthook = hook
 
 
 def bad_input(message: str) -> NoReturn:
