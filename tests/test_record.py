@@ -181,3 +181,26 @@ def test_ckpt_path_last_resumes_an_older_run_of_this_config_when_the_newest_has_
     assert _fit([*BOOLEAN, "--trainer.max_epochs", "2", "--ckpt_path", "last"], tmp_path) == 0
     (older,) = tmp_path.glob("*/version_0/checkpoints/last.ckpt")
     assert torch.load(older, map_location="cpu", weights_only=True)["global_step"] == 6
+
+
+def test_a_resume_with_a_change_leaves_hparams_as_the_run_started_and_readers_follow_the_segments(tmp_path):
+    """The record (config.yaml and its segments) is the one truth: hparams.yaml and the TensorBoard HPARAMS session stay
+    as the run started (the resumed fit writes no second session claiming its values for the whole run), and what
+    reads a run's options (the precision it trained in last, the datamodule it is reopened with) reads the record."""
+    from test_callbacks import session_starts
+
+    from lightning_maskprior.run.load import run_precision
+    from lightning_maskprior.run.tensorboard import read_hparams
+
+    assert _fit([*ONE_EPOCH, "--trainer.precision", "bf16-mixed"], tmp_path) == 0
+    run = _run(tmp_path)
+    started = (run / "hparams.yaml").read_bytes()
+    assert _fit([*BOOLEAN, "--trainer.max_epochs", "2", "--trainer.precision", "32-true",
+                 "--model.optimizer.init_args.lr", "0.0005", "--ckpt_path", "last"], tmp_path) == 0
+    assert record.replay(RunDir(run))["model.optimizer.init_args.lr"] == 0.0005
+    assert (run / "hparams.yaml").read_bytes() == started
+    assert [session_starts(path) for path in sorted(run.glob("events.out.tfevents.*"))] == [1, 0]
+    assert read_hparams(run)[0]["trainer/max_epochs"] == 1 and read_hparams(run)[0]["optimizer/lr"] == LR
+    assert RunDir(run).precision() == run_precision(run) == "32-true"  # config.yaml says bf16-mixed
+    assert RunDir(run).trained_config()["model"]["optimizer"]["init_args"]["lr"] == 0.0005
+    assert RunDir(run).config()["model"]["optimizer"]["init_args"]["lr"] == LR
