@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import re
 import shutil
 from pathlib import Path
@@ -353,6 +354,17 @@ CASES = [
     ("study seed negative", study("study_seeds.yaml"), 2,
      r"study_seeds.yaml: seeds\[0\]: a seed is a non-negative integer, got -1"),
     ("study seeds empty", study("study_no_seeds.yaml"), 2, r"study_no_seeds.yaml: seeds: give at least one seed"),
+    # a dry run checks what each run checks before it trains, not only that its command parses
+    ("study dry run structure size", study("study_structure_size.yaml"), 2,
+     r"study_structure_size.yaml: task 2parity x init default: pair \[0, 20\] has token 20, outside 0..14"),
+    ("study dry run rank", study("study_rank.yaml"), 2,
+     r"task 2parity x init default: prior_rank 16 is above the 15 tokens of the prior"),
+    ("study dry run builder", study("study_builder.yaml"), 2,
+     r"task 2parity x init default: structure builder 'no_such_pkg:builder': module 'no_such_pkg' cannot be imported"),
+    ("study dry run estimator", study("study_estimator.yaml"), 2,
+     r"task 2parity x init default: discovery method 'no_such_pkg:est': module 'no_such_pkg' cannot be imported"),
+    ("study dry run out_dir of another study", study("study_other_out.yaml"), 2,
+     r'study_other_out.yaml: out_dir \S*other_study holds another study: "someone else\'s" \(from theirs.yaml\)'),
 ]  # fmt: skip
 
 
@@ -418,8 +430,16 @@ def _write_files(root: Path) -> dict[str, Path]:
         ("study_config.yaml", {"tasks": [{"name": "t", "config": str(f["missing.yaml"])}]}),
         ("study_seeds.yaml", {"seeds": [-1]}),
         ("study_no_seeds.yaml", {"seeds": []}),
+        ("study_structure_size.yaml", {"args": ["--model.structure", "{pairs: [[0, 20]]}"]}),
+        ("study_rank.yaml", {"args": ["--model.parameterisation", "low_rank", "--model.prior_rank", "16"]}),
+        ("study_builder.yaml", {"args": ["--model.structure", "no_such_pkg:builder"]}),
+        ("study_estimator.yaml", {"args": ["--model.structure", "discover:no_such_pkg:est"]}),
+        ("study_other_out.yaml", {"out_dir": str(root / "other_study")}),
     ):
         path(name).write_text(yaml.safe_dump({**base, **change}))
+    (root / "other_study").mkdir()
+    other = {"title": "someone else's", "study_file": "theirs.yaml"}
+    (root / "other_study" / "study.json").write_text(json.dumps(other))
     return f
 
 
@@ -675,3 +695,25 @@ def test_a_checkpoint_one_may_not_read_is_named_as_such_not_as_truncated(files, 
     assert info.value.code == 2 and "Traceback" not in err
     assert re.search(r"error: \S*tiny.ckpt: Permission denied \(EACCES\); expected permission to read", err), err
     assert "truncated" not in err and "zip" not in err
+
+
+def test_a_study_dry_run_names_an_out_dir_it_could_not_write(files, tmp_path, monkeypatch, capsys):
+    """A read-only or foreign out_dir (root ignores file modes, so the refusal is simulated): the dry run says so,
+    as the study would fail at its first run."""
+    import os
+
+    from lightning_maskprior.study import cli as study_cli
+
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump({"tasks": [{"name": "2parity", "config": BOOLEAN}], "inits": ["default"],
+                                          "seeds": [0], "metrics": [{"tag": "val/mse", "label": "MSE"}],
+                                          "out_dir": str(tmp_path / "locked" / "study")}))
+    (tmp_path / "locked").mkdir()
+    access = os.access
+    monkeypatch.setattr(study_cli.os, "access",
+                        lambda path, mode, **kw: Path(path) != tmp_path / "locked" and access(path, mode, **kw))
+    with pytest.raises(SystemExit) as info:
+        main(["study", "-c", str(study_file), "--dry_run", "true"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"out_dir {tmp_path}/locked/study: {tmp_path}/locked is not writable" in err, err
+    assert os.listdir(tmp_path / "locked") == []
