@@ -717,3 +717,19 @@ def test_a_study_dry_run_names_an_out_dir_it_could_not_write(files, tmp_path, mo
     err = capsys.readouterr().err
     assert info.value.code == 2 and f"out_dir {tmp_path}/locked/study: {tmp_path}/locked is not writable" in err, err
     assert os.listdir(tmp_path / "locked") == []
+
+
+def test_an_os_error_without_a_path_is_named_with_the_path_being_written():
+    """A full disk found when a file is closed (TensorBoard's event writer) says no path; the one line names the path
+    the failing frame was writing, not only "No space left on device"."""
+    import errno
+
+    from lightning_maskprior.run.errors import describe_os_error
+
+    def write(filename: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as info:
+        write("runs/x/events.out.tfevents.1")
+    assert describe_os_error(info.value) == ("runs/x/events.out.tfevents.1: No space left on device (ENOSPC); "
+                                             "expected free space on its disk")

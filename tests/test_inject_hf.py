@@ -634,6 +634,10 @@ def test_load_injected_of_a_model_saved_without_a_prior_and_a_wrong_directory(tm
     assert loaded.config._attn_implementation == "maskprior"
     with pytest.raises(FileNotFoundError, match="nowhere is not a directory; load_injected expects one"):
         load_injected(tmp_path / "nowhere")
+    weights = tmp_path / "plain" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # copied in part: a CheckpointError, not a SafetensorError
+    with pytest.raises(ValueError, match=r"load_injected \S*model.safetensors is incomplete: \d+ of the \d+ bytes"):
+        load_injected(tmp_path / "plain")
 
 
 def test_load_injected_refuses_a_prior_that_is_not_finite_or_whose_scale_config_json_lacks(tmp_path):

@@ -27,8 +27,8 @@ _OS_EXPECTED = {
 
 def describe_os_error(err: OSError) -> str:
     """``<path>: <what the OS said> (<ERRNO>); expected <what the path needs>`` in one line."""
-    paths = " -> ".join(os.fsdecode(p) if isinstance(p, bytes) else str(p)
-                        for p in (err.filename, err.filename2) if p is not None)
+    named = [p for p in (err.filename, err.filename2) if p is not None] or [_path_written(err)]
+    paths = " -> ".join(os.fsdecode(p) if isinstance(p, bytes) else str(p) for p in named if p is not None)
     if _file_not_directory(err):
         # mkdir(exist_ok=True) of a path that is a file: the OS says EEXIST, but the path is not a directory
         return (f"{paths}: Not a directory: it is a file (ENOTDIR; the system said File exists, EEXIST); expected "
@@ -40,6 +40,21 @@ def describe_os_error(err: OSError) -> str:
     if name:
         line += f" ({name})"
     return f"{line}; expected {expected}" if expected else line
+
+
+def _path_written(err: OSError) -> str | bytes | None:
+    """The path an OSError that names none arose at: the innermost frame of its traceback with a ``filename`` or
+    ``path`` of its own (a full disk found when a file is closed, as TensorBoard's event writer closes each write)."""
+    found, tb = None, err.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        for name in ("filename", "path"):
+            value = local.get(name)
+            if isinstance(value, str | bytes | os.PathLike):
+                found = os.fspath(value)
+                break
+        tb = tb.tb_next
+    return found
 
 
 def _file_not_directory(err: OSError) -> bool:
