@@ -204,3 +204,18 @@ def test_a_resume_with_a_change_leaves_hparams_as_the_run_started_and_readers_fo
     assert RunDir(run).precision() == run_precision(run) == "32-true"  # config.yaml says bf16-mixed
     assert RunDir(run).trained_config()["model"]["optimizer"]["init_args"]["lr"] == 0.0005
     assert RunDir(run).config()["model"]["optimizer"]["init_args"]["lr"] == LR
+
+
+def test_a_studys_test_of_a_resumed_run_is_given_the_options_its_segments_changed(tmp_path):
+    from lightning_maskprior.study.cell import test_command
+
+    run = RunDir(tmp_path / "version_0")
+    run.path.mkdir()
+    run.config_path.write_text("trainer: {precision: bf16-mixed, max_epochs: 1}\n")
+    record.append_segment(run, 3, {"trainer.precision": ("bf16-mixed", "32-true"), "trainer.max_epochs": (1, 2)})
+    record.append_segment(run, 6, {"model.optimizer.init_args.betas": ([0.9, 0.999], [0.8, 0.99]),
+                                   "trainer.max_epochs": (2, 3)})
+    assert test_command(run, run.last_checkpoint, tmp_path) == [
+        "test", "-c", str(run.config_path), "--trainer.precision=32-true", "--trainer.max_epochs=3",
+        "--model.optimizer.init_args.betas=[0.8, 0.99]", "--ckpt_path", str(run.last_checkpoint),
+        "--trainer.default_root_dir", str(tmp_path)]

@@ -274,10 +274,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         if ckpt is None:
             rc, error = 1, f"no checkpoint found under {run_dir} to test"
         else:
-            # the run's record: its config.yaml, and the options a resume changed at their last values
-            changed = [f"--{option}={_flow(value)}" for option, value in fit_dir.changed_options().items()]
-            test_args = ["test", "-c", str(fit_dir.config_path), *changed, "--ckpt_path", str(ckpt),
-                         "--trainer.default_root_dir", str(run_dir)]
+            test_args = test_command(fit_dir, ckpt, run_dir)
             result["commands"].append(format_command(test_args))
             rc = _run_child(test_args, files, "test", spec.get("threads"), children, append=False)
             rc = _unless_signalled(rc, children)
@@ -299,6 +296,14 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         result["error"] = error or f"exit code {rc}"
     write_json(files.result, result)
     return result
+
+
+def test_command(fit_dir: RunDir, ckpt: Path, run_dir: Path) -> list[str]:
+    """``maskprior test`` of a fitted run, as its record says it trained: its config.yaml, then each option a resume
+    changed (changes.yaml) at its last value."""
+    changed = [f"--{option}={_flow(value)}" for option, value in fit_dir.changed_options().items()]
+    return ["test", "-c", str(fit_dir.config_path), *changed, "--ckpt_path", str(ckpt),
+            "--trainer.default_root_dir", str(run_dir)]
 
 
 def _flow(value: Any) -> str:
