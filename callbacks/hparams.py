@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -88,11 +89,16 @@ class HparamsSession(Callback):
     Lightning's ``TensorBoardLogger.log_hyperparams(params, metrics)`` would also log each metric's placeholder
     value as a scalar (a point at step 0 on the ``val/acc`` curve), so the three hparams summaries are written
     here directly. Written in ``setup``, before Lightning's own call: TensorBoard keeps a run's first session.
-    The loggers the CLI creates have ``default_hp_metric=False``, so nothing logs ``hp_metric = -1``.
+    A fit resumed into its checkpoint's run directory writes none: the run's session is the one it started with
+    (as its config.yaml and hparams.yaml), and the options a resume changed are the run's record's segments
+    (changes.yaml). The loggers the CLI creates have ``default_hp_metric=False``, so nothing logs
+    ``hp_metric = -1``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, resumed_run: str | Path | None = None) -> None:
+        """``resumed_run``: the run directory of the checkpoint a fit resumes (its session is written already)."""
         self._written: set[str] = set()
+        self.resumed_run = Path(resumed_run).resolve() if resumed_run is not None else None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate", "test") or trainer.global_rank != 0:
@@ -105,8 +111,12 @@ class HparamsSession(Callback):
         tags = getattr(pl_module, "metric_tags", None)
         metrics = {tag: 0.0 for tag in (tags() if callable(tags) else [])}  # only the names are written
         summaries = hparams(run_hparams(trainer, pl_module), metrics)
+        resumed = self.resumed_run if stage == "fit" else None
         for logger in loggers:
             if logger.log_dir in self._written:  # trainer.validate after fit: the same run, already written
+                continue
+            if resumed is not None and Path(logger.log_dir).resolve() == resumed:  # its run's session is written
+                self._written.add(logger.log_dir)
                 continue
             writer = logger.experiment._get_file_writer()  # as Lightning's log_hyperparams writes them
             for summary in summaries:

@@ -148,3 +148,48 @@ def same_structure(a: Structure, b: Structure) -> bool:
     if (a.values is None) != (b.values is None):
         return False
     return a.values is None or (a.values.shape == b.values.shape and torch.equal(a.values, b.values))
+
+
+# ----------------------------------------------------------------------------------- weights files
+def check_weights_file(path: str | Path, option: str) -> None:
+    """Raise a CheckpointError naming ``option`` and the file where a weights file (``.safetensors``, or a zip archive
+    as ``torch.save`` writes it) is incomplete: cut short, or empty. Nothing is loaded; another kind of file is not
+    checked here."""
+    import json
+    import zipfile
+
+    path = Path(path)
+    size = path.stat().st_size
+
+    def incomplete(why: str) -> CheckpointError:
+        return CheckpointError(f"{option} {path} is incomplete: {why}; expected the whole file as it was saved "
+                               "(copy or save it again)")
+
+    if size == 0:
+        raise incomplete("the file is empty")
+    with open(path, "rb") as file:
+        head = file.read(8)
+        if path.suffix == ".safetensors":
+            if len(head) < 8:
+                raise incomplete(f"{size} bytes, shorter than a safetensors header")
+            length = int.from_bytes(head, "little")
+            if 8 + length > size:
+                raise incomplete(f"{size} bytes, cut short inside its {8 + length}-byte header")
+            try:
+                header = json.loads(file.read(length))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise incomplete("its safetensors header is not readable") from None
+            end = max((int(t["data_offsets"][1]) for k, t in header.items()
+                       if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t), default=0)
+            if 8 + length + end > size:
+                raise incomplete(f"{size} of the {8 + length + end} bytes its header describes")
+        elif head[:2] == b"PK" and not zipfile.is_zipfile(path):
+            raise incomplete(f"{size} bytes, not a complete zip archive (torch.save writes one)")
+
+
+def check_weights_directory(path: str | Path, option: str) -> None:
+    """:func:`check_weights_file` for each weights file of a ``save_pretrained`` directory (``*.safetensors``,
+    ``*.bin``)."""
+    for file in sorted(Path(path).iterdir()):
+        if file.is_file() and file.suffix in (".safetensors", ".bin"):
+            check_weights_file(file, option)

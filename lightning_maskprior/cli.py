@@ -31,6 +31,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``maskprior`` console script (``args`` without the program name; None: ``sys.argv``)."""
+    from lightning_maskprior.run.errors import quiet_writer_threads
+
+    quiet_writer_threads()  # a writer thread's OSError is the command's one line, not a thread's traceback first
     try:
         _dispatch(args)
         sys.stdout.flush()  # a reader that went away fails here, inside the handler, not at interpreter exit

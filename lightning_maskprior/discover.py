@@ -66,7 +66,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 
 from lightning_maskprior import contracts
 from lightning_maskprior.attention import attention_layers, attention_probabilities
-from lightning_maskprior.fourier import collapses, relevant_bits, sample_mdi
+from lightning_maskprior.fourier import collapses, noise_spread, relevant_bits, sample_mdi, subset_parity
 from lightning_maskprior.plugins import (
     POSITIONAL,
     PluginError,
@@ -348,12 +348,20 @@ def _variables(mask: int) -> list[int]:
 
 
 @register_estimator("fourier")
-def fourier_estimator(datamodule: Any, tolerance: PositiveFloat = 1e-6) -> Discovery:
+def fourier_estimator(datamodule: Any, tolerance: PositiveFloat = 1e-6, noise_multiple: PositiveFloat = 6.0
+                      ) -> Discovery:
     """Interacting variables of a Boolean task from the MDI of its training data and what its seen region can hide
     (see the module docstring).
 
     Args:
         tolerance: A coefficient of the MDI counts where its magnitude exceeds this fraction of the largest one.
+        noise_multiple: A coefficient of the MDI also counts only above the noise floor: this many times the spread
+            it would have if the labels were pure noise, ``sigma x g / sqrt(N)`` with N training points, sigma the
+            spread of the labels that the coefficients above the floor leave unexplained (found by repeating until
+            it stops falling; all of it at first) and g the seen region's factor for that product (1 where it fixes
+            a variable; :func:`~lightning_maskprior.fourier.noise_spread`). Labels that are pure
+            noise have each coefficient spread by 1 such unit, so at 6 they open no pair even over the 2^20
+            coefficients of the largest cube; noiseless labels leave nothing unexplained, and keep every term.
     """
     if not contracts.is_boolean_task(datamodule) or not hasattr(datamodule.train_set, "tensors"):
         raise ValueError(f"the fourier estimator needs a Boolean task (BooleanGOTUDataModule); got "
@@ -367,7 +375,12 @@ def fourier_estimator(datamodule: Any, tolerance: PositiveFloat = 1e-6) -> Disco
     hidden = collapses(seen, n)
     t_mask = sum(1 << i for i in relevant_bits(seen, n))  # the variables the seen condition depends on
     largest = float(coefficients.abs().max())
-    terms = {int(s): float(coefficients[s]) for s in torch.nonzero(coefficients.abs() > tolerance * largest).flatten()}
+    labels = train.tensors["target"].double()
+    spread = noise_spread(seen, n)
+    floor, sigma = noise_floor(coefficients, index, labels, spread, noise_multiple)
+    above = (coefficients.abs() > tolerance * largest) & (coefficients.abs() > floor)
+    below = int(((coefficients.abs() > tolerance * largest) & ~above)[1:].sum())
+    terms = {int(s): float(coefficients[s]) for s in torch.nonzero(above).flatten()}
     # the collapses, each with the non-constant terms of its image other than itself: what it leaves in the data
     traces = {b: {c for c, v in image.items() if c and c != b} for b, image in hidden.items()}
 
@@ -412,9 +425,15 @@ def fourier_estimator(datamodule: Any, tolerance: PositiveFloat = 1e-6) -> Disco
                 reasons[(i, j)] = (f"share the MDI monomial {_name(monomial)} ({value:+.4g}), which the seen region "
                                    f"also makes of {', '.join(_name(b | (monomial & ~t_mask)) for b in others)}")
     blind = [b for b, trace in traces.items() if not trace and b]
-    summary = [f"MDI of the {len(train.tensors['target'])} training points on the seen region the task declares "
+    factors = sorted({round(float(g), 3) for g in spread[spread > 0].unique()})
+    summary = [f"MDI of the {len(labels)} training points on the seen region the task declares "
                f"(degree {fitted_degree}): {sum(1 for m in terms if m)} non-constant monomial(s) above {tolerance:g} x "
-               f"the largest coefficient ({largest:.4g})",
+               f"the largest coefficient ({largest:.4g}) and above the noise floor",
+               f"noise floor: {noise_multiple:g} x the spread a coefficient has where the labels are pure noise, "
+               f"sigma x g / sqrt(N) = {noise_multiple:g} x {sigma:.4g} x g / sqrt({len(labels)}) = "
+               f"{noise_multiple * sigma / math.sqrt(len(labels)):.4g} x g (sigma: the labels' spread the monomials "
+               f"above it leave unexplained; g, the seen region's factor: "
+               f"{', '.join(f'{g:g}' for g in factors) or '1'}); {below} monomial(s) below it, not counted",
                f"the seen condition depends on {', '.join(_name(1 << i) for i in _variables(t_mask)) or 'nothing'}; "
                f"products it changes: " + ("; ".join(f"{_name(b)} -> {_expression(hidden[b])}" for b in
                                                       sorted(hidden, key=lambda b: (bin(b).count('1'), b))) or "none")]
@@ -425,6 +444,37 @@ def fourier_estimator(datamodule: Any, tolerance: PositiveFloat = 1e-6) -> Disco
     summary.append(f"{sum(pairs.values())} identifiable pair(s), {len(pairs) - sum(pairs.values())} not identifiable")
     return Discovery("fourier", n, ordered, {p: reasons[p] for p in ordered}, summary, _unique(interactions),
                      {p: pairs[p] for p in ordered})
+
+
+def noise_floor(coefficients: torch.Tensor, index: torch.Tensor, labels: torch.Tensor, spread: torch.Tensor,
+                multiple: float) -> tuple[torch.Tensor, float]:
+    """The noise floor of each MDI coefficient, ``multiple x sigma x spread / sqrt(N)`` (N: the training points), and
+    sigma: the root mean square of what the coefficients above the floor leave of the labels (``index``: each
+    point's cube index). Sigma starts at the labels' spread about their mean (the constant always counts) and is
+    recomputed from the coefficients above the floor until no other one rises above it: pure noise keeps its own
+    spread, a target without noise ends with nothing unexplained."""
+    count = len(labels)
+    sigma = float(labels.std(correction=0)) if count else 0.0
+    counted = torch.zeros_like(coefficients, dtype=torch.bool)
+    for _ in range(len(coefficients)):
+        floor = multiple * sigma * spread / math.sqrt(max(count, 1))
+        now = coefficients.abs() > floor
+        now[0] = True
+        if torch.equal(now, counted):
+            break
+        counted = now
+        masks = torch.nonzero(counted).flatten()
+        fitted = fourier_values(index, masks, coefficients[masks])
+        sigma = min(sigma, float((labels - fitted).pow(2).mean().sqrt()))
+    return multiple * sigma * spread / math.sqrt(max(count, 1)), sigma
+
+
+def fourier_values(index: torch.Tensor, masks: torch.Tensor, values: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``sum_S values[S] chi_S(u)`` at the cube points ``index``, the subsets ``masks`` a chunk at a time."""
+    total = torch.zeros(len(index), dtype=torch.float64)
+    for start in range(0, len(masks), chunk):
+        total += subset_parity(index, masks[start:start + chunk]) @ values[start:start + chunk].double()
+    return total
 
 
 def _unique(items: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

@@ -221,6 +221,38 @@ def collapses(seen: Tensor, n: int) -> dict[int, dict[int, float]]:
     return found
 
 
+def noise_spread(seen: Tensor, n: int) -> Tensor:
+    """How far each Fourier coefficient of the MDI moves under pure noise, per unit of noise: (2^n,) factors g such that
+    where every seen point's label is independent noise of spread sigma, the MDI's coefficient of S (from all
+    ``N`` seen points) spreads by ``sigma g[S] / sqrt(N)``.
+
+    g depends only on the product's part on the seen condition's variables. It is 1 on a seen region that fixes
+    variables (x0 = 1: each coefficient is a plain average over the N points) and 0 for a product of them (the MDI
+    is 0 there whatever the labels); above 1 where the MDI rebuilds a coefficient from part of the small cube over
+    those variables (where x3 = 1 or x7 = 1, sqrt(3/2) for every product: each is a difference of two of the three
+    seen quarters). Exact for the whole seen region; for a sample of it, the same within the sampling's own spread.
+    """
+    bits = relevant_bits(seen, n)
+    k = len(bits)
+    if k > 12:
+        raise ValueError(f"the seen condition depends on {k} coordinates; the exact MDI is computed only up to 12")
+    small = torch.zeros(2**k, dtype=torch.long)  # small-cube index -> cube index (the other coordinates at +1)
+    for j, b in enumerate(bits):
+        small |= ((torch.arange(2**k) >> j) & 1) << b
+    seen_small = seen[small]
+    # the MDI's coefficients on the small cube from the values at its seen points: the Walsh transform of the values
+    # (0 at the unseen points), then the MDI's operator; each seen point's value is an average over 2^(n-k) points
+    hadamard = walsh_hadamard(torch.eye(2**k, dtype=torch.float64))
+    operator = mdi_operator(seen_small) if k else torch.ones(1, 1, dtype=torch.float64)
+    weights = operator @ hadamard[:, seen_small] / 2**k
+    factor = (int(seen_small.sum()) * (weights**2).sum(dim=1)).sqrt()
+    u = torch.arange(2**n)
+    on_t = torch.zeros_like(u)
+    for j, b in enumerate(bits):
+        on_t |= ((u >> b) & 1) << j
+    return factor[on_t]
+
+
 def sample_mdi(index: Tensor, values: Tensor, seen: Tensor, n: int) -> tuple[Tensor, int]:
     """Fourier coefficients (2^n,) of the MDI on the seen region of a function known only at some seen points.
 

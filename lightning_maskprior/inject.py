@@ -776,6 +776,9 @@ def load_injected(path: str | Path, model_class: type | None = None, **from_pret
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory; load_injected expects one written by save_pretrained")
+    from lightning_maskprior.checkpoints import check_weights_directory
+
+    check_weights_directory(path, "load_injected")  # a weights file cut short: a CheckpointError naming it
     if model_class is None:
         from transformers import AutoModelForCausalLM as model_class
     with _load_report_held() as held:

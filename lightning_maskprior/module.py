@@ -6,6 +6,7 @@ says (the additive prior, the query/key weights, or nowhere), and trains with th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -36,7 +37,7 @@ from lightning_maskprior.checkpoints import (
     structure_state,
 )
 from lightning_maskprior.contracts import check_backbone, prefix_tokens
-from lightning_maskprior.discover import DiscoverySpec
+from lightning_maskprior.discover import DiscoverySpec, check_estimator_options
 from lightning_maskprior.inits import apply_init, check_init_options, get_init, uses_structure
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.objectives import build_objective
@@ -117,6 +118,54 @@ def check_module_options(init: str, init_options: dict | None, lr_schedule: str,
     check_init_options(init, init_options or {})  # an unknown init, option, type or range
     if objective is not None:
         resolve("objective", objective)  # an unknown objective, or one that does not satisfy its contract
+
+
+def check_prior_rank(parameterisation: str, prior_rank: int, tokens: int) -> None:
+    """A ValueError where a ``low_rank`` prior's rank is above the ``tokens`` of the prior (the task's and the
+    backbone's prefix tokens): it would be no lower than full."""
+    if parameterisation == "low_rank" and prior_rank > tokens:
+        raise ValueError(f"prior_rank {prior_rank} is above the {tokens} tokens of the prior: a low_rank M of rank "
+                         f"{prior_rank} would be no lower than full; expected a rank from 1 to {tokens}")
+
+
+def structure_spec(spec: Any) -> StructureSpec | DiscoverySpec | str | None:
+    """``model.structure`` as the module reads it: a StructureSpec, a DiscoverySpec, ``discover:<method>``, or None
+    (the task's own). A mapping with ``discover`` (as a checkpoint's hyperparameters keep it) is a DiscoverySpec,
+    one of a StructureSpec's fields a StructureSpec, another string a structure builder's name or import path."""
+    if isinstance(spec, dict) and "discover" in spec:
+        return DiscoverySpec(**spec)
+    if isinstance(spec, dict) and spec.keys() & {f.name for f in dataclasses.fields(StructureSpec)}:
+        return StructureSpec(**spec)
+    if isinstance(spec, str) and not spec.startswith("discover:"):
+        return StructureSpec(builder=spec)
+    return spec
+
+
+def check_run(model: dict[str, Any], data: dict[str, Any], task: TaskSpec | None = None) -> None:
+    """What a fit checks as it builds its module, made without training, applying an init or running an estimator
+    (a study's ``--dry_run`` makes it for every run): the backbone builds for the task, the structure (a file, the
+    pairs, a builder of yours) builds at the task's token count and fits the backbone's sequence, an estimator and
+    its options resolve, and a ``low_rank`` prior_rank is within the prior's tokens. ``model`` and ``data`` are a
+    fit config's entries (as ``--print_config`` writes them); ``task``: the datamodule's, if built already. A
+    ValueError (a PluginError for a plug-in) naming what fails."""
+    task = task if task is not None else build_datamodule(data).task_spec()
+    backbone_spec = model.get("backbone")
+    backbone = (_instantiate_from_spec(backbone_spec, task) if isinstance(backbone_spec, dict)
+                else TokenTransformer(task))
+    check_backbone(backbone)
+    spec = structure_spec(model.get("structure"))
+    if isinstance(spec, str):
+        spec = DiscoverySpec(spec.removeprefix("discover:"))
+    if isinstance(spec, DiscoverySpec):
+        check_estimator_options(spec.discover, spec.options or {})  # an unknown estimator or option
+    else:
+        with calling("structure", getattr(spec, "builder", None)):
+            structure = spec.build(task.seq_len) if spec is not None else task.structure
+        to_sequence = getattr(backbone, "structure_for_sequence", None)
+        if structure is not None and to_sequence is not None:
+            to_sequence(structure)
+    check_prior_rank(model.get("parameterisation") or "full", model.get("prior_rank") or DEFAULT_RANK,
+                     task.seq_len + prefix_tokens(backbone))
 
 
 def set_parameterisation(backbone: nn.Module, parameterisation: str, rank: int = DEFAULT_RANK) -> None:
@@ -234,10 +283,7 @@ class MaskPriorModule(L.LightningModule):
         self.structure = self._resolve_structure(structure)
         self.init_options = {**task.init_defaults.get(init, {}), **(init_options or {})}
         self.parameterisation = parameterisation
-        tokens = self.task.seq_len + prefix_tokens(self.backbone)
-        if parameterisation == "low_rank" and prior_rank > tokens:
-            raise ValueError(f"prior_rank {prior_rank} is above the {tokens} tokens of the prior: a low_rank M of rank "
-                             f"{prior_rank} would be no lower than full; expected a rank from 1 to {tokens}")
+        check_prior_rank(parameterisation, prior_rank, self.task.seq_len + prefix_tokens(self.backbone))
         set_parameterisation(self.backbone, parameterisation, prior_rank)
         with calling("init", init):
             apply_init(init, self.backbone, self.structure, **self.init_options)
@@ -248,12 +294,7 @@ class MaskPriorModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------- structure
     def _resolve_structure(self, spec: StructureSpec | DiscoverySpec | str | None) -> Structure | None:
-        if isinstance(spec, dict) and "discover" in spec:  # as a checkpoint's hyperparameters keep it
-            spec = DiscoverySpec(**spec)
-        if isinstance(spec, dict) and "builder" in spec:
-            spec = StructureSpec(**spec)
-        if isinstance(spec, str) and not spec.startswith("discover:"):
-            spec = StructureSpec(builder=spec)  # a structure builder's name or import path
+        spec = structure_spec(spec)
         if isinstance(spec, str | DiscoverySpec):
             spec = self._discovered(spec)
         with calling("structure", getattr(spec, "builder", None)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import re
 import shutil
 from pathlib import Path
@@ -118,6 +119,15 @@ CASES = [
      r"init method 'qk_opt': init_options.steps must be a whole number > 0, got -5"),
     ("qk_svd pos_scale zero", fit("--model.init", "qk_svd", "--model.init_options", "{pos_scale: 0}"), 2,
      r"init method 'qk_svd': init_options.pos_scale must be a number > 0, got 0"),
+    ("datamodule option unknown", fit("--data.init_args.nope", "1"), 2,
+     r"data.init_args.nope: lightning_maskprior.datamodules.BooleanGOTUDataModule has no option nope; its options: "
+     r"task, n, target, seen"),
+    ("backbone option unknown", fit("--model.backbone.init_args.nope", "1"), 2,
+     r"model.backbone.init_args.nope: lightning_maskprior.models.TokenTransformer has no option nope; its options: "
+     r"task, dim, depth"),
+    ("discover option unknown", ["discover", "-c", BOOLEAN, "--estimator.init_args.nope", "1"], 2,
+     r"maskprior discover has no option --estimator.init_args.nope; expected -c/--config, --method, --out, --run, "
+     r"an option of estimator 'fourier' \(--tolerance, --noise_multiple; .*\(--data.\*, --model.\*"),
     ("lr zero", fit("--model.optimizer.init_args.lr", "0"), 2,
      r"model.optimizer.init_args.lr must be a number > 0, got 0.0: the fit would train nothing"),
     ("max_epochs zero", fit("--trainer.max_epochs", "0"), 2, r"trainer.max_epochs must be .*, got 0"),
@@ -344,6 +354,17 @@ CASES = [
     ("study seed negative", study("study_seeds.yaml"), 2,
      r"study_seeds.yaml: seeds\[0\]: a seed is a non-negative integer, got -1"),
     ("study seeds empty", study("study_no_seeds.yaml"), 2, r"study_no_seeds.yaml: seeds: give at least one seed"),
+    # a dry run checks what each run checks before it trains, not only that its command parses
+    ("study dry run structure size", study("study_structure_size.yaml"), 2,
+     r"study_structure_size.yaml: task 2parity x init default: pair \[0, 20\] has token 20, outside 0..14"),
+    ("study dry run rank", study("study_rank.yaml"), 2,
+     r"task 2parity x init default: prior_rank 16 is above the 15 tokens of the prior"),
+    ("study dry run builder", study("study_builder.yaml"), 2,
+     r"task 2parity x init default: structure builder 'no_such_pkg:builder': module 'no_such_pkg' cannot be imported"),
+    ("study dry run estimator", study("study_estimator.yaml"), 2,
+     r"task 2parity x init default: discovery method 'no_such_pkg:est': module 'no_such_pkg' cannot be imported"),
+    ("study dry run out_dir of another study", study("study_other_out.yaml"), 2,
+     r'study_other_out.yaml: out_dir \S*other_study holds another study: "someone else\'s" \(from theirs.yaml\)'),
 ]  # fmt: skip
 
 
@@ -409,8 +430,16 @@ def _write_files(root: Path) -> dict[str, Path]:
         ("study_config.yaml", {"tasks": [{"name": "t", "config": str(f["missing.yaml"])}]}),
         ("study_seeds.yaml", {"seeds": [-1]}),
         ("study_no_seeds.yaml", {"seeds": []}),
+        ("study_structure_size.yaml", {"args": ["--model.structure", "{pairs: [[0, 20]]}"]}),
+        ("study_rank.yaml", {"args": ["--model.parameterisation", "low_rank", "--model.prior_rank", "16"]}),
+        ("study_builder.yaml", {"args": ["--model.structure", "no_such_pkg:builder"]}),
+        ("study_estimator.yaml", {"args": ["--model.structure", "discover:no_such_pkg:est"]}),
+        ("study_other_out.yaml", {"out_dir": str(root / "other_study")}),
     ):
         path(name).write_text(yaml.safe_dump({**base, **change}))
+    (root / "other_study").mkdir()
+    other = {"title": "someone else's", "study_file": "theirs.yaml"}
+    (root / "other_study" / "study.json").write_text(json.dumps(other))
     return f
 
 
@@ -581,6 +610,13 @@ OS_CASES = [
      r"x{300}/run.json: File name too long \(ENAMETOOLONG\); expected a shorter name"),
     ("study out_dir under a file", lambda f: ["study", "-c", str(f["study_under_file.yaml"])],
      r"a_file/study\S*: Not a directory \(ENOTDIR\)"),
+    # mkdir of a path that is a file says EEXIST; the cause is a file where a directory is expected
+    ("study out_dir is a file", lambda f: ["study", "-c", str(f["study_under_file.yaml"]), "--out_dir",
+                                           str(f["a_file"])],
+     r"a_file: Not a directory: it is a file \(ENOTDIR; the system said File exists, EEXIST\); expected a directory"),
+    ("discover out under a file", lambda f: ["discover", "-c", BOOLEAN, "--data.init_args.n", "6", "--out",
+                                             str(f["a_file"] / "structure.yaml")],
+     r"a_file: Not a directory: it is a file \(ENOTDIR"),
 ]
 
 
@@ -609,6 +645,36 @@ def test_os_errors_are_one_line_through_the_console_script(case, files, tmp_path
     assert sorted(tmp_path.iterdir()) == before  # nothing left behind
 
 
+# A run directory the machine will not let TensorBoard write into (read-only; root ignores file modes, so the event
+# writer's own file write is refused): TensorBoard's writer thread hits the error first.
+READ_ONLY_EVENTS = """
+import errno, sys
+from tensorboard.compat.tensorflow_stub.io import gfile
+
+def refused(self, filename, file_content, mode):
+    raise OSError(errno.EROFS, "Read-only file system", filename)
+
+gfile.LocalFileSystem._write = refused
+from lightning_maskprior.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_read_only_run_directory_is_one_line_without_the_writer_threads_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    argv = [_resolve(a, {"runs": tmp_path / "runs"}) for a in fit_mask()]
+    proc = subprocess.run([sys.executable, "-c", READ_ONLY_EVENTS, *argv], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: \S*/runs/\S*/events\.out\.tfevents\.\S+: Read-only file system \(EROFS\); "
+                        r"expected a writable filesystem \(this one is read-only\)", last), last  # a str, not b'...'
+
+
 def test_a_checkpoint_one_may_not_read_is_named_as_such_not_as_truncated(files, tmp_path, monkeypatch, capsys):
     """A PermissionError reading the checkpoint (root ignores file modes, so it is simulated) is the machine's: one
     line naming the path and EACCES, never "truncated" or "not a zip archive"."""
@@ -629,3 +695,41 @@ def test_a_checkpoint_one_may_not_read_is_named_as_such_not_as_truncated(files, 
     assert info.value.code == 2 and "Traceback" not in err
     assert re.search(r"error: \S*tiny.ckpt: Permission denied \(EACCES\); expected permission to read", err), err
     assert "truncated" not in err and "zip" not in err
+
+
+def test_a_study_dry_run_names_an_out_dir_it_could_not_write(files, tmp_path, monkeypatch, capsys):
+    """A read-only or foreign out_dir (root ignores file modes, so the refusal is simulated): the dry run says so,
+    as the study would fail at its first run."""
+    import os
+
+    from lightning_maskprior.study import cli as study_cli
+
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump({"tasks": [{"name": "2parity", "config": BOOLEAN}], "inits": ["default"],
+                                          "seeds": [0], "metrics": [{"tag": "val/mse", "label": "MSE"}],
+                                          "out_dir": str(tmp_path / "locked" / "study")}))
+    (tmp_path / "locked").mkdir()
+    access = os.access
+    monkeypatch.setattr(study_cli.os, "access",
+                        lambda path, mode, **kw: Path(path) != tmp_path / "locked" and access(path, mode, **kw))
+    with pytest.raises(SystemExit) as info:
+        main(["study", "-c", str(study_file), "--dry_run", "true"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"out_dir {tmp_path}/locked/study: {tmp_path}/locked is not writable" in err, err
+    assert os.listdir(tmp_path / "locked") == []
+
+
+def test_an_os_error_without_a_path_is_named_with_the_path_being_written():
+    """A full disk found when a file is closed (TensorBoard's event writer) says no path; the one line names the path
+    the failing frame was writing, not only "No space left on device"."""
+    import errno
+
+    from lightning_maskprior.run.errors import describe_os_error
+
+    def write(filename: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as info:
+        write("runs/x/events.out.tfevents.1")
+    assert describe_os_error(info.value) == ("runs/x/events.out.tfevents.1: No space left on device (ENOSPC); "
+                                             "expected free space on its disk")

@@ -316,6 +316,36 @@ def test_the_seen_region_is_the_declared_one_not_the_training_sample(tmp_path, c
     assert "MDI of the 4096 training points on the seen region the task declares (degree 1)" in out.read_text()
 
 
+def noise_labels(points: torch.Tensor) -> torch.Tensor:
+    """A fair coin's +-1 at every point of the cube: labels with no structure."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 2, (len(points),), generator=generator).double() * 2 - 1
+
+
+def noisy_pair(points: torch.Tensor) -> torch.Tensor:
+    """2 x1 x9 plus a fair coin's +-1: a planted pair under noise of half its size."""
+    return 2 * points[:, 1].double() * points[:, 9].double() + noise_labels(points)
+
+
+def test_labels_with_no_structure_open_no_pair_and_the_report_says_the_noise_floor(tmp_path, capsys):
+    """Pure-noise labels on 12 tokens: every MDI coefficient is noise of spread about 1/sqrt(N), none stands 6 such
+    spreads above it, so no pair opens (without the floor all 66 did, 65 called identifiable)."""
+    found = discover("fourier", own("test_discover:noise_labels", SEEN_3_7))
+    assert found.pairs == [] and found.interactions == []
+    floor = next(line for line in found.summary if line.startswith("noise floor:"))
+    assert "6 x 0.9999 x g / sqrt(3072) = 0.1082 x g" in floor and "g, the seen region's factor: 1.225" in floor
+    text = found.to_yaml()
+    assert "# noise floor: 6 x the spread a coefficient has where the labels are pure noise" in text
+    assert "pairs: []" in text
+
+
+def test_a_planted_pair_under_noise_opens_alone():
+    found = discover("fourier", own("test_discover:noisy_pair", {"1": 1.0, "x0": 1.0}))
+    assert found.pairs == [(1, 9)] and found.identifiable == {(1, 9): True}
+    floor = next(line for line in found.summary if line.startswith("noise floor:"))
+    assert "6 x 0.9994 x g" in floor  # the spread the planted pair leaves unexplained: the coin's (1), not 2.2
+
+
 def test_a_sample_too_small_to_determine_the_target_is_refused():
     datamodule = own({"x3*x7": 1.0, "x1*x2*x4": 1.0}, SEEN_3_7, n=10)
     datamodule.max_train_points = 20
@@ -431,5 +461,6 @@ def test_an_unknown_option_is_one_line_not_the_fits_usage(capsys):
     with pytest.raises(SystemExit) as info:
         main(["discover", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--tolerancee", "0.1"])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and "unrecognized arguments: --tolerancee 0.1" in err
+    assert info.value.code == 2 and "maskprior discover has no option --tolerancee; expected -c/--config" in err
+    assert "an option of estimator 'fourier' (--tolerance, --noise_multiple;" in err
     assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err

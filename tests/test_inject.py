@@ -188,6 +188,35 @@ def test_the_cli_fine_tunes_a_timm_checkpoint_with_a_mask_prior(tmp_path, capsys
     assert err[-1].startswith("error: checkpoint_path") and "missing.pth does not exist" in err[-1]
 
 
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_a_checkpoint_path_cut_short_is_one_line_naming_it(tmp_path, capsys, suffix):
+    """A pretrained file copied in part: one line naming it as incomplete, exit 2 (timm's loader raised a
+    traceback: a zip's central directory or a safetensors header it cannot read)."""
+    from safetensors.torch import save_file
+
+    from conftest import CONFIGS
+    from lightning_maskprior.cli import main
+
+    source = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, in_chans=1, num_classes=10,
+                               embed_dim=24, depth=1, num_heads=3)
+    path = tmp_path / f"pretrained{suffix}"
+    if suffix == ".pth":
+        torch.save(source.state_dict(), path)
+    else:
+        save_file(source.state_dict(), str(path))
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) * 3 // 4])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", str(CONFIGS / "vision" / "digits.yaml"), "--data.init_args.img_size", "16",
+              "--model.backbone.init_args.model_kwargs", '{"embed_dim": 24, "depth": 1, "num_heads": 3}',
+              "--model.backbone.init_args.checkpoint_path", str(path),
+              "--trainer.default_root_dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "zipfile" not in err and "SafetensorError" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: checkpoint_path {path} is incomplete: ")
+    assert not (tmp_path / "runs").exists()
+
+
 # ------------------------------------------------------------------ the prior through a state dict
 def random_prior(heads, tokens, seed=0):
     """A different M for every head and pair of positions: a prior no shift or reindexing leaves as it is."""

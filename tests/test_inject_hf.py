@@ -236,6 +236,24 @@ def test_an_hf_decoder_fine_tunes_from_a_save_pretrained_directory(tmp_path, cap
     assert err.startswith("error: pretrained_path") and err.endswith("(nothing is downloaded)")
 
 
+def test_a_pretrained_directory_with_a_weights_file_cut_short_is_one_line_naming_it(tmp_path, capsys):
+    """transformers' loader raised a SafetensorError traceback ("incomplete metadata, file not fully covered")."""
+    from lightning_maskprior.cli import main
+
+    gpt2().save_pretrained(tmp_path / "pretrained")
+    weights = tmp_path / "pretrained" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SystemExit) as exit_info:
+        main(pydoc_args(tmp_path, "--model.backbone.init_args.pretrained_path", str(tmp_path / "pretrained")))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "SafetensorError" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: pretrained_path {weights} is incomplete: {len(whole) // 2} of the {len(whole)} "
+                           "bytes its header describes"), last
+    assert not (tmp_path / "runs").exists()
+
+
 def test_two_ddp_processes_validate_an_injected_hf_decoder_as_one_does(tmp_path):
     """The same seeded, mask-initialised HF decoder validated on the same split by one process and by two gloo
     processes (each half of the blocks): the logged validation loss is the same."""
@@ -616,6 +634,10 @@ def test_load_injected_of_a_model_saved_without_a_prior_and_a_wrong_directory(tm
     assert loaded.config._attn_implementation == "maskprior"
     with pytest.raises(FileNotFoundError, match="nowhere is not a directory; load_injected expects one"):
         load_injected(tmp_path / "nowhere")
+    weights = tmp_path / "plain" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # copied in part: a CheckpointError, not a SafetensorError
+    with pytest.raises(ValueError, match=r"load_injected \S*model.safetensors is incomplete: \d+ of the \d+ bytes"):
+        load_injected(tmp_path / "plain")
 
 
 def test_load_injected_refuses_a_prior_that_is_not_finite_or_whose_scale_config_json_lacks(tmp_path):

@@ -181,3 +181,41 @@ def test_ckpt_path_last_resumes_an_older_run_of_this_config_when_the_newest_has_
     assert _fit([*BOOLEAN, "--trainer.max_epochs", "2", "--ckpt_path", "last"], tmp_path) == 0
     (older,) = tmp_path.glob("*/version_0/checkpoints/last.ckpt")
     assert torch.load(older, map_location="cpu", weights_only=True)["global_step"] == 6
+
+
+def test_a_resume_with_a_change_leaves_hparams_as_the_run_started_and_readers_follow_the_segments(tmp_path):
+    """The record (config.yaml and its segments) is the one truth: hparams.yaml and the TensorBoard HPARAMS session stay
+    as the run started (the resumed fit writes no second session claiming its values for the whole run), and what
+    reads a run's options (the precision it trained in last, the datamodule it is reopened with) reads the record."""
+    from test_callbacks import session_starts
+
+    from lightning_maskprior.run.load import run_precision
+    from lightning_maskprior.run.tensorboard import read_hparams
+
+    assert _fit([*ONE_EPOCH, "--trainer.precision", "bf16-mixed"], tmp_path) == 0
+    run = _run(tmp_path)
+    started = (run / "hparams.yaml").read_bytes()
+    assert _fit([*BOOLEAN, "--trainer.max_epochs", "2", "--trainer.precision", "32-true",
+                 "--model.optimizer.init_args.lr", "0.0005", "--ckpt_path", "last"], tmp_path) == 0
+    assert record.replay(RunDir(run))["model.optimizer.init_args.lr"] == 0.0005
+    assert (run / "hparams.yaml").read_bytes() == started
+    assert [session_starts(path) for path in sorted(run.glob("events.out.tfevents.*"))] == [1, 0]
+    assert read_hparams(run)[0]["trainer/max_epochs"] == 1 and read_hparams(run)[0]["optimizer/lr"] == LR
+    assert RunDir(run).precision() == run_precision(run) == "32-true"  # config.yaml says bf16-mixed
+    assert RunDir(run).trained_config()["model"]["optimizer"]["init_args"]["lr"] == 0.0005
+    assert RunDir(run).config()["model"]["optimizer"]["init_args"]["lr"] == LR
+
+
+def test_a_studys_test_of_a_resumed_run_is_given_the_options_its_segments_changed(tmp_path):
+    from lightning_maskprior.study.cell import test_command
+
+    run = RunDir(tmp_path / "version_0")
+    run.path.mkdir()
+    run.config_path.write_text("trainer: {precision: bf16-mixed, max_epochs: 1}\n")
+    record.append_segment(run, 3, {"trainer.precision": ("bf16-mixed", "32-true"), "trainer.max_epochs": (1, 2)})
+    record.append_segment(run, 6, {"model.optimizer.init_args.betas": ([0.9, 0.999], [0.8, 0.99]),
+                                   "trainer.max_epochs": (2, 3)})
+    assert test_command(run, run.last_checkpoint, tmp_path) == [
+        "test", "-c", str(run.config_path), "--trainer.precision=32-true", "--trainer.max_epochs=3",
+        "--model.optimizer.init_args.betas=[0.8, 0.99]", "--ckpt_path", str(run.last_checkpoint),
+        "--trainer.default_root_dir", str(tmp_path)]

@@ -344,10 +344,14 @@ def test_tiny_study_runs_resumes_and_tabulates(tmp_path, monkeypatch):
 # -------------------------------------------------------- real subprocesses: test stage, a failure
 def test_subprocess_runs_fit_and_test_and_record_failures(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
+    # a run that fails once it trains (a bad option fails the study's check before any run: see the dry run's tests)
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.syspath_prepend(tests)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
     study = tiny_study(
         tmp_path / "out", launcher="local", test=True, seeds=[0], inits=["mask"],
         tasks=[{"name": "broken", "config": "configs/boolean/2parity.yaml",
-                "args": ["--data.init_args.task", "parity"]},
+                "args": ["--trainer.callbacks+=resume_helpers.CrashAt", "--trainer.callbacks.step", "0"]},
                {"name": "2parity", "config": "configs/boolean/2parity.yaml"}],
         metrics=[{"tag": "test/mse", "label": "MSE", "paper": "mse"},
                  {"tag": "test/acc", "label": "acc %", "scale": 100, "digits": 2, "paper": "acc"}],
@@ -360,7 +364,7 @@ def test_subprocess_runs_fit_and_test_and_record_failures(tmp_path, monkeypatch,
     out = capsys.readouterr().out
     assert "[1/2] broken/mask/seed0: FAILED in fit" in out and "[2/2] 2parity/mask/seed0: ok" in out
     broken = json.loads((tmp_path / "out/broken/mask/seed0/result.json").read_text())
-    assert broken["status"] == "failed" and "unknown Boolean task 'parity'" in broken["error"]
+    assert broken["status"] == "failed" and "crash at step 0" in broken["error"]
     ok = json.loads((tmp_path / "out/2parity/mask/seed0/result.json").read_text())
     assert ok["status"] == "ok" and len(ok["commands"]) == 2 and " test -c " in ok["commands"][1]
     assert 0 <= ok["metrics"]["test/acc"] <= 1 and "val/acc" in ok["metrics"]

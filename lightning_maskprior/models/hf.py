@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_maskprior.checkpoints import check_weights_directory
 from lightning_maskprior.inject import inject_prior
 from lightning_maskprior.models.base import Backbone
 from lightning_maskprior.priors import Structure
@@ -52,6 +53,7 @@ class HFCausalLM(Backbone):
             if not Path(pretrained_path).is_dir():
                 raise FileNotFoundError(f"pretrained_path {pretrained_path} is not a directory; expected one written "
                                         "by save_pretrained (nothing is downloaded)")
+            check_weights_directory(pretrained_path, "pretrained_path")  # a file cut short: one line, not a traceback
             model = AutoModelForCausalLM.from_pretrained(pretrained_path, local_files_only=True,
                                                          attn_implementation="sdpa")
             if model.get_input_embeddings().num_embeddings != task.vocab_size:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_maskprior.checkpoints import check_weights_file
 from lightning_maskprior.inject import inject_prior
 from lightning_maskprior.models.base import Backbone
 from lightning_maskprior.priors import Structure
@@ -98,6 +99,7 @@ class VisionTransformer(Backbone):
             if not Path(checkpoint_path).is_file():
                 raise FileNotFoundError(f"checkpoint_path {checkpoint_path} does not exist; expected a timm or "
                                         "PyTorch state dict file (nothing is downloaded)")
+            check_weights_file(checkpoint_path, "checkpoint_path")  # a file cut short: one line, not a traceback
             kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(checkpoint_path)})
         self.model = timm.create_model(model_name, **{k: task.extras[k] for k in _TASK_KEYS}, **kwargs)
         if not hasattr(self.model, "blocks") or not hasattr(self.model, "pos_embed"):

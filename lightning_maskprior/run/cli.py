@@ -203,7 +203,9 @@ class MaskPriorCLI(LightningCLI):
         rate per parameter group, ``train/lr/<group>``, every ``log_every_n_steps`` steps."""
         if logger is False or not _as_list(logger):
             return []
-        callbacks: list[Callback] = [HparamsSession()]
+        run_dir = self.checkpoint.run_dir if self.checkpoint is not None else None
+        resumed = run_dir.path if self.subcommand == "fit" and run_dir is not None else None
+        callbacks: list[Callback] = [HparamsSession(resumed_run=resumed)]
         if self.subcommand == "fit" and not any(isinstance(c, LearningRateMonitor) for c in configured):
             callbacks.append(LearningRateMonitor(logging_interval="step"))
         return callbacks

@@ -94,6 +94,7 @@ def main(argv: list[str]) -> None:
         if unknown:
             raise ValueError(f"estimator {method!r} has no option {', '.join(unknown)}; its options: "
                              f"{', '.join(estimators.estimator_options(method))}")
+        _check_overrides(overrides, method)
         options = _parsed(method, given)
         configs = [Path(c) for c in config_files.resolve_argv([a for c in args.config for a in ("-c", c)])[1::2]]
         _check_out(args.out, configs, overrides)
@@ -127,6 +128,24 @@ def _plugin_method(argv: list[str]) -> list[str]:
     if methods and methods[-1] not in estimators.ESTIMATORS and is_import_path(methods[-1]):
         return [methods[-1]]
     return []
+
+
+# The fit options the command passes on to the parser that builds the task and its model (-c configs compose with
+# them, as for maskprior fit).
+FIT_OPTIONS = ("--data", "--model", "--trainer", "--seed_everything")
+
+
+def _check_overrides(overrides: list[str], method: str) -> None:
+    """Refuse an option the command does not take, naming it and the ones it does (the fit's parser would name it
+    with the fit's usage); a fit option's own name and value are the fit parser's to check."""
+    for arg in overrides:
+        if arg.startswith("-") and not any(arg.partition("=")[0] == option or arg.startswith(f"{option}.")
+                                           for option in FIT_OPTIONS):
+            ours = ", ".join(f"--{name}" for name in estimators.estimator_options(method)) or "none"
+            raise ValueError(f"maskprior discover has no option {arg.partition('=')[0]}; expected -c/--config, "
+                             f"--method, --out, --run, an option of estimator {method!r} ({ours}; another method's "
+                             "with its --method) or a fit option of the task's datamodule or model "
+                             f"({', '.join(f'{o}.*' if o != '--seed_everything' else o for o in FIT_OPTIONS)})")
 
 
 def _bad_input(message: str) -> None:
@@ -197,7 +216,8 @@ def _datamodule(configs: list[str], overrides: list[str]) -> tuple[Any, MaskPrio
                            args=[*argv, "--trainer.default_root_dir", root], auto_configure_optimizers=False,
                            save_config_callback=None,  # the configs compose over the CLI's defaults, as in a fit
                            parser_class=OneLineParser,  # an unknown option: one line, not the fit's whole usage
-                           parser_kwargs={"default_config_files": [str(p) for p in config_files.default_files()]})
+                           parser_kwargs={"default_config_files": [str(p) for p in config_files.default_files()],
+                                          "prog": "maskprior discover"})
     return cli.datamodule, cli.model
 
 

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import errno
+import os
 import re
 import sys
+import threading
 from typing import NoReturn
 
 # What each operating-system error asks of the path, by errno.
@@ -25,7 +27,12 @@ _OS_EXPECTED = {
 
 def describe_os_error(err: OSError) -> str:
     """``<path>: <what the OS said> (<ERRNO>); expected <what the path needs>`` in one line."""
-    paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    named = [p for p in (err.filename, err.filename2) if p is not None] or [_path_written(err)]
+    paths = " -> ".join(os.fsdecode(p) if isinstance(p, bytes) else str(p) for p in named if p is not None)
+    if _file_not_directory(err):
+        # mkdir(exist_ok=True) of a path that is a file: the OS says EEXIST, but the path is not a directory
+        return (f"{paths}: Not a directory: it is a file (ENOTDIR; the system said File exists, EEXIST); expected "
+                "a directory there, or a path that does not exist yet")
     name = errno.errorcode.get(err.errno or 0)
     what = err.strerror or str(err) or type(err).__name__
     expected = _OS_EXPECTED.get(err.errno or 0)
@@ -33,6 +40,48 @@ def describe_os_error(err: OSError) -> str:
     if name:
         line += f" ({name})"
     return f"{line}; expected {expected}" if expected else line
+
+
+def _path_written(err: OSError) -> str | bytes | None:
+    """The path an OSError that names none arose at: the innermost frame of its traceback with a ``filename`` or
+    ``path`` of its own (a full disk found when a file is closed, as TensorBoard's event writer closes each write)."""
+    found, tb = None, err.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        for name in ("filename", "path"):
+            value = local.get(name)
+            if isinstance(value, str | bytes | os.PathLike):
+                found = os.fspath(value)
+                break
+        tb = tb.tb_next
+    return found
+
+
+def _file_not_directory(err: OSError) -> bool:
+    """An EEXIST whose path is there and is not a directory: what ``mkdir(exist_ok=True)`` raises for a file."""
+    if err.errno != errno.EEXIST or err.filename is None or err.filename2 is not None:
+        return False
+    try:
+        return os.path.lexists(err.filename) and not os.path.isdir(err.filename)
+    except (TypeError, ValueError):
+        return False
+
+
+def quiet_writer_threads() -> None:
+    """An OSError in TensorBoard's event-writer thread (a read-only or full run directory) is not printed by the
+    thread as a traceback: the writer raises it again in the thread that logs, where the command names it in one
+    line. Any other thread's exception is printed as Python prints it."""
+    default = threading.excepthook
+    if getattr(default, "quiets_writer_threads", False):
+        return  # installed already (main() called again in one process)
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        default(args)
+
+    hook.quiets_writer_threads = True
+    threading.excepthook = hook
 
 
 def bad_input(message: str) -> NoReturn:
@@ -46,7 +95,7 @@ def one_line(message: str) -> str:
     VALUE``; anything else with its lines joined."""
     text = str(message).strip()
     if "Parser key" in text:
-        condensed = _parser_message(text)
+        condensed = _not_accepted(text) or _parser_message(text)
         if condensed:
             return condensed
     return re.sub(r"\s*\n\s*", " ", text)
@@ -64,6 +113,28 @@ def _type_name(text: str) -> str:
 def _join(items: list[str]) -> str:
     items = list(dict.fromkeys(items))
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def _not_accepted(text: str) -> str | None:
+    """jsonargparse's ``Parser key "data": ... Problem with given class_path 'pkg.Cls': Option 'nope' is not
+    accepted`` as ``data.init_args.nope: pkg.Cls has no option nope; its options: a, b, ...``."""
+    key = re.search(r'Parser key "([^"]+)"', text)
+    found = re.search(r"Problem with given class_path '([\w.]+)':\s*Option '([^']+)' is not accepted", text)
+    callable_ = re.search(r"Option '([^']+)' is not accepted\. Got value: Namespace\(class_path='([\w.]+)'", text)
+    if not key or not (found or callable_):
+        return None
+    class_path, option = found.groups() if found else callable_.groups()[::-1]
+    line = f"{key.group(1)}.init_args.{option}: {class_path} has no option {option}"
+    try:  # the class is imported already: the parser read its signature
+        import importlib
+        import inspect
+
+        module, _, name = class_path.rpartition(".")
+        parameters = inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
+        names = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return line
+    return f"{line}; its options: {', '.join(names)}" if names else line
 
 
 def _parser_message(text: str) -> str | None:

@@ -20,7 +20,8 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, map_loca
         checkpoint: Which checkpoint (default: ``last.ckpt``, else the newest one).
         map_location: Where the weights go (default: the CPU).
 
-    The datamodule is built from the run's ``config.yaml`` (the checkpoint's copy of it when there is none); a
+    The datamodule is built from the run's record (``config.yaml`` with the segments a resume appended; the
+    checkpoint's copy of it when there is none); a
     config.yaml that describes another run than the checkpoint's (an edited task, init, width, parameterisation or
     rank) raises a CheckpointError naming both values, as the CLI refuses such a pair. The module is the
     checkpoint's: the structure it trained with (not what its estimator or builder would give now), its objective. A run

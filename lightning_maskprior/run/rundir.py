@@ -94,17 +94,48 @@ class RunDir:
             return {}
         return config if isinstance(config, dict) else {}
 
+    def trained_config(self) -> dict[str, Any]:
+        """What the run trained with last: its ``config.yaml`` with every segment of ``changes.yaml`` (the options a
+        resume changed) applied in order, nested as config.yaml is ({} without one). A changes.yaml that is not a
+        list of segments is not applied here; ``record.segments`` names it."""
+        config = self.config()
+        for option, value in self.changed_options().items():
+            *parents, leaf = option.split(".")
+            node = config
+            for key in parents:
+                if not isinstance(node.get(key), dict):
+                    node[key] = {}
+                node = node[key]
+            node[leaf] = value
+        return config
+
+    def changed_options(self) -> dict[str, Any]:
+        """``{dotted.option: value}``: each option a resume changed (``changes.yaml``), at its last segment's value
+        ({} for a run never resumed with a change, or a changes.yaml that is not a list of segments)."""
+        try:
+            entries = yaml.safe_load(self.changes.read_text(encoding="utf-8")) if self.changes.is_file() else None
+        except (OSError, yaml.YAMLError):
+            entries = None
+        options: dict[str, Any] = {}
+        for entry in entries if isinstance(entries, list) else []:
+            changed = entry.get("changed") if isinstance(entry, dict) else None
+            for option, change in (changed if isinstance(changed, dict) else {}).items():
+                # {old, new}; a segment written before the record had its own file format said {checkpoint, config}
+                options[str(option)] = change.get("new", change.get("config")) if isinstance(change, dict) else change
+        return options
+
     def precision(self, default: str | None = FALLBACK) -> str | None:
-        """The ``trainer.precision`` the run trained and validated in (the CLI writes the one it used: bf16-mixed
-        on a CPU without native bf16 becomes 32-true), else ``default``. Give it to the Trainer that
-        re-validates a reopened run, and the metrics come out as logged."""
-        trainer = self.config().get("trainer")
+        """The ``trainer.precision`` the run trained and validated in last (the CLI writes the one it used:
+        bf16-mixed on a CPU without native bf16 becomes 32-true; a resume that changed it, the segment's), else
+        ``default``. Give it to the Trainer that re-validates a reopened run, and the metrics come out as logged."""
+        trainer = self.trained_config().get("trainer")
         value = trainer.get("precision") if isinstance(trainer, dict) else None
         return default if value is None else str(value)
 
     def data_spec(self) -> dict[str, Any] | None:
-        """The ``data`` entry of the run's config (class_path and init_args), or None."""
-        data = self.config().get("data")
+        """The ``data`` entry of what the run trained with last (class_path and init_args; a resume may have changed
+        how it is evaluated), or None."""
+        data = self.trained_config().get("data")
         return data if isinstance(data, dict) and data.get("class_path") else None
 
     def find_checkpoint(self) -> Path:

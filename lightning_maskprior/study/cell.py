@@ -26,6 +26,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from lightning_maskprior.run import atomic
 from lightning_maskprior.run.rundir import RunDir, StudyRunDir
 from lightning_maskprior.run.status import FINISHED, status_from_returncode
@@ -272,8 +274,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         if ckpt is None:
             rc, error = 1, f"no checkpoint found under {run_dir} to test"
         else:
-            test_args = ["test", "-c", str(fit_dir.config_path), "--ckpt_path", str(ckpt),
-                         "--trainer.default_root_dir", str(run_dir)]
+            test_args = test_command(fit_dir, ckpt, run_dir)
             result["commands"].append(format_command(test_args))
             rc = _run_child(test_args, files, "test", spec.get("threads"), children, append=False)
             rc = _unless_signalled(rc, children)
@@ -295,6 +296,19 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         result["error"] = error or f"exit code {rc}"
     write_json(files.result, result)
     return result
+
+
+def test_command(fit_dir: RunDir, ckpt: Path, run_dir: Path) -> list[str]:
+    """``maskprior test`` of a fitted run, as its record says it trained: its config.yaml, then each option a resume
+    changed (changes.yaml) at its last value."""
+    changed = [f"--{option}={_flow(value)}" for option, value in fit_dir.changed_options().items()]
+    return ["test", "-c", str(fit_dir.config_path), *changed, "--ckpt_path", str(ckpt),
+            "--trainer.default_root_dir", str(run_dir)]
+
+
+def _flow(value: Any) -> str:
+    """A config value as one command-line word, in YAML (``0.0005``, ``constant``, ``[0.9, 0.99]``, ``null``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix("...").strip()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import statistics
 import sys
@@ -80,8 +81,10 @@ def build_parser():
         help="The study file (YAML) holding the options below.")
     add_study_arguments(parser)
     parser.add_argument("--dry_run", type=bool, default=False,
-        help="Validate the study, parse every run's full fit command (a misspelled option fails here) and print "
-        "the commands, each marked finished, kept from results_from or to run; run nothing.")
+        help="Validate the study, parse every run's full fit command (a misspelled option fails here), make the "
+        "checks each run makes before it trains (plug-ins resolve, the structure fits the task's tokens, a low_rank "
+        "rank is within them) and those of the out_dir (writable, no other study's) and print the commands, each "
+        "marked finished, kept from results_from or to run; run nothing.")
     parser.add_argument("--table_only", type=bool, default=False,
         help="Rebuild the result files, tables and figures from finished runs; run nothing (the same outputs as "
         "`maskprior report <out_dir>` after the study).")
@@ -112,12 +115,34 @@ def run_study(study: Study, log=print) -> int:
         return _run_study(study, launcher, log)
 
 
-def check_out_dir_owner(study: Study) -> None:
+def check_out_dir_writable(study: Study) -> None:
+    """Refuse an out_dir this process could not write into: the nearest part of its path that exists must be a
+    directory it may write in (not a file, not on a read-only filesystem, not without permission)."""
+    path = study.out_dir
+    while not os.path.lexists(path) and path.parent != path:
+        path = path.parent
+    if not path.is_dir():
+        raise StudyError(f"out_dir {study.out_dir}: {path} is a file, not a directory; expected an out_dir whose "
+                         "path holds directories only")
+    if not os.access(path, os.W_OK | os.X_OK):
+        why = "is on a read-only filesystem" if _read_only(path) else "is not writable by this user"
+        raise StudyError(f"out_dir {study.out_dir}: {path} {why}; expected an out_dir the study can write its runs "
+                         "into")
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+def check_out_dir_owner(study: Study, write: bool = True) -> None:
     """Refuse an out_dir whose study.json names another study (title or study file), or, with no readable
     study.json, one that holds run directories other than this study's own (their run.json written for the run
     this study would run there), unless replace_out_dir: running there would delete those finished runs wherever
-    their commands differ. A study.json is written at once otherwise, so the study's own runs are vouched for
-    from its first one."""
+    their commands differ. A study.json is written at once otherwise (unless ``write`` is false: a dry run), so the
+    study's own runs are vouched for from its first one."""
     path = study.out_dir / ResultDir.STUDY
     if study.replace_out_dir:
         return
@@ -142,8 +167,9 @@ def check_out_dir_owner(study: Study) -> None:
                 "running there could delete another study's finished runs. Expected an out_dir of this study's own "
                 "(--out_dir), or --replace_out_dir true to replace them"
             )
-        study.out_dir.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(path, json.dumps(study_info(study), indent=1) + "\n")
+        if write:
+            study.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(path, json.dumps(study_info(study), indent=1) + "\n")
         return
     ours = study_info(study)
     if (theirs.get("title"), theirs.get("study_file")) != (ours["title"], ours["study_file"]):
@@ -258,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
             get_launcher(study.launcher)(study)  # the launcher's own options are valid
             checked = check_commands(study)
         if cfg.dry_run:
+            # what the run would check of its out_dir before its first cell: writable, and this study's own
+            check_out_dir_writable(study)
+            check_out_dir_owner(study, write=False)
             _print_commands(study, checked)
         elif cfg.table_only:
             study.out_dir.mkdir(parents=True, exist_ok=True)

@@ -577,25 +577,39 @@ def format_command(args: list[str]) -> str:
     return "maskprior " + " ".join(shlex.quote(a) for a in args)
 
 
-def _check_fit_config(printed: str) -> None:
-    """The checks a fit makes of its parsed options before it builds anything (the trainer's, the module's, the
-    init options' types and ranges), on the config ``--print_config`` printed; a ValueError naming the option."""
+def _check_fit_config(printed: str, tasks: dict[str, Any] | None = None) -> None:
+    """The checks a fit makes of its parsed options before it trains, on the config ``--print_config`` printed: the
+    trainer's and the module's options (the init options' types and ranges, the parameterisation and rank, every
+    plug-in named by import path: an init, objective, structure builder or estimator), then what it checks as it
+    builds its module (``module.check_run``: the structure's size against the task's tokens, a ``low_rank`` rank
+    within them). ``tasks`` keeps each datamodule's TaskSpec by its config, for the next command of that task. A
+    ValueError naming the option."""
     import yaml
 
-    from lightning_maskprior.module import check_module_options
+    from lightning_maskprior.attention import DEFAULT_RANK
+    from lightning_maskprior.module import build_datamodule, check_module_options, check_run
     from lightning_maskprior.run.checks import check_fit_options
 
     config = yaml.safe_load(printed) or {}
     model = config.get("model") or {}
     check_fit_options(config.get("trainer") or {}, model)
     check_module_options(model.get("init", "default"), model.get("init_options"), model.get("lr_schedule", "cosine"),
-                         model.get("warmup_steps", 0), model.get("prior_weight_decay", 0.0))
+                         model.get("warmup_steps", 0), model.get("prior_weight_decay", 0.0),
+                         model.get("parameterisation") or "full", model.get("prior_rank") or DEFAULT_RANK,
+                         model.get("objective"))
+    data = config.get("data") or {}
+    key = json.dumps(data, sort_keys=True, default=str)
+    tasks = {} if tasks is None else tasks
+    if key not in tasks:
+        tasks[key] = build_datamodule(data).task_spec()
+    check_run(model, data, tasks[key])
 
 
-def print_fit_config(args: list[str]) -> str:
+def print_fit_config(args: list[str], tasks: dict | None = None) -> str:
     """The configuration a full ``maskprior fit`` command parses to (``--print_config`` with the CLI's own parser:
     every option and config is parsed, nothing is instantiated), after the checks a fit makes of its options before
-    it builds anything; a ValueError with the parser's or the check's message otherwise."""
+    it builds anything and as it builds its module (``_check_fit_config``; ``tasks`` keeps each datamodule's task
+    across calls); a ValueError with the parser's or the check's message otherwise."""
     from lightning_maskprior.run.cli import main as cli_main
 
     out, err = io.StringIO(), io.StringIO()
@@ -609,7 +623,7 @@ def print_fit_config(args: list[str]) -> str:
         code, err = 1, io.StringIO(f"{type(error).__name__}: {error}")
     if code != 0:
         raise ValueError(f"the fit command does not parse: {err.getvalue().strip() or f'exit code {code}'}")
-    _check_fit_config(out.getvalue())
+    _check_fit_config(out.getvalue(), tasks)
     return out.getvalue()
 
 
@@ -618,13 +632,13 @@ def check_commands(study: Study) -> int:
     (``print_fit_config``); raise StudyError naming the task and init whose command does not parse (a misspelled
     option in a task's args, a bad value). Returns the number of commands checked. Seeds only change seed options,
     so the first seed stands for all."""
-    checked = 0
+    checked, tasks = 0, {}
     for task in study.tasks:
         for init in filter(lambda init: task.runs_init(init.label), study.inits):
             run = Run(study, task, init, study.seeds[0])
             try:
-                print_fit_config(run.fit_args())
-            except ValueError as error:
+                print_fit_config(run.fit_args(), tasks)
+            except (ValueError, FileNotFoundError) as error:
                 raise StudyError(f"task {task.name} x init {init.label}: {error}\n  command: "
                                  f"{format_command(run.fit_args())}") from None
             checked += 1
