@@ -61,12 +61,16 @@ class ScalarsLogger(CSVLogger):
 
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any] | Namespace | None = None, *args: Any, **kwargs: Any) -> None:
-        """Keep the hyperparameters in ``<log_dir>/hparams.yaml``, as Lightning's CSVLogger does."""
+        """Keep the hyperparameters in ``<log_dir>/hparams.yaml``, written once per run directory as
+        TensorBoardLogger writes it: a later call (the validation after a fit, a resumed fit) leaves the file, and
+        with it what the module added (``discovered_structure``)."""
         if isinstance(params, Namespace):
             params = vars(params)
         self.hparams.update(params or {})
-        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-        save_hparams_to_yaml(Path(self.log_dir) / "hparams.yaml", self.hparams)
+        path = Path(self.log_dir) / "hparams.yaml"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_hparams_to_yaml(path, self.hparams)
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
