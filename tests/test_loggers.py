@@ -17,9 +17,8 @@ import yaml
 from conftest import CONFIGS, TINY_BOOLEAN
 from lightning_maskprior.cli import main
 from lightning_maskprior.run.rundir import RunDir
-from lightning_maskprior.run.scalars import last_scalars, read_scalars
+from lightning_maskprior.run.scalars import last_scalars, read_event_scalars, read_scalars
 from lightning_maskprior.run.scalars_logger import ScalarsLogger
-from lightning_maskprior.run.tensorboard import read_event_scalars
 
 RUN = "2parity-mask-seed0/version_0"
 STEPS = ["--data.init_args.batch_size", "16", "--trainer.log_every_n_steps", "1"]  # 3 steps an epoch, each logged

@@ -1,7 +1,7 @@
 """A run's scalars in a file of its own, whatever loggers it has: ``<run dir>/scalars.csv``, one ``step,tag,value``
 row per logged point, which ``run.scalars_logger.ScalarsLogger`` writes. ``read_scalars`` / ``last_scalars`` read
 it back for studies, reports and tests, and read TensorBoard event files instead for a run that has no such file (one
-recorded before it existed). Nothing here imports Lightning.
+recorded before it existed: ``read_event_scalars``). Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -35,12 +35,10 @@ def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
 
     Reads every ``scalars.csv`` below ``log_dir``; a directory of TensorBoard event files with no scalars file in
     it or above it (a run recorded before the file existed) is read from its events instead, the way TensorBoard
-    shows them (``run.tensorboard.read_event_scalars``: a resumed run's ``purge_step`` hides what the killed run
+    shows them (``read_event_scalars``: a resumed run's ``purge_step`` hides what the killed run
     logged after its last checkpoint; the scalars file drops those points itself). Across files, oldest first, a
     point logged twice at the same step keeps the later value.
     """
-    from lightning_maskprior.run.tensorboard import event_dirs, read_event_scalars
-
     root = Path(log_dir)
     sources: list[tuple[float, Path, bool]] = []  # (mtime, path, is a scalars file)
     runs = set()
@@ -68,3 +66,34 @@ def has_logged_values(path: str | Path) -> bool:
     """Whether a scalars file holds a row (a logged value), not only its header."""
     with open(path, encoding="utf-8") as f:
         return sum(1 for line in f if line.strip()) > 1
+
+
+def event_dirs(log_dir: str | Path) -> dict[Path, float]:
+    """Every directory of TensorBoard event files under ``log_dir`` (itself included), with its newest file's
+    modification time."""
+    dirs: dict[Path, float] = {}
+    for path in Path(log_dir).rglob("events.out.tfevents.*"):
+        dirs[path.parent] = max(dirs.get(path.parent, 0.0), path.stat().st_mtime)
+    return dirs
+
+
+def read_event_scalars(log_dir: str | Path, recursive: bool = True) -> dict[str, list[tuple[int, float]]]:
+    """The scalar series of TensorBoard event files: ``{tag: [(step, value), ...]}`` sorted by step.
+
+    Reads every directory of event files below ``log_dir`` (only ``log_dir`` itself when not ``recursive``) the
+    way TensorBoard does: a resumed run appends a new event file whose ``purge_step`` hides what the killed run
+    logged after its last checkpoint. Across directories, a point logged twice at the same step keeps the later
+    value. (``read_scalars`` reads a run's scalars file, and these files only for a run without one.)
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series: dict[str, dict[int, float]] = {}
+    dirs = event_dirs(log_dir) if recursive else {Path(log_dir): 0.0}
+    for directory in sorted(dirs, key=dirs.get):
+        accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            points = series.setdefault(tag, {})
+            for event in accumulator.Scalars(tag):
+                points[event.step] = event.value
+    return {tag: sorted(points.items()) for tag, points in series.items()}
