@@ -114,15 +114,18 @@ def test_a_fit_with_any_logger_keeps_its_run_directory_and_scalars(kind, tiny_ar
 
 
 def test_a_resumed_fit_drops_the_points_logged_after_its_checkpoint(tiny_args, tmp_path):
-    """A run stopped after its epoch-1 checkpoint at step 3, with 3 more steps logged (a killed run's), resumed from
+    """A run stopped after its epoch-1 checkpoint at step 3, with 6 more steps logged (a killed run's), resumed from
     that checkpoint: the scalars file keeps no point of the first run after step 3, and reads as the uninterrupted
-    run."""
-    every_epoch = '{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_top_k": -1}}'
-    args = [*tiny_args, *STEPS, "--trainer.logger", "false", f"--trainer.callbacks+={every_epoch}"]
+    run. (3 epochs validated every 2: the final weights are validated after the fit, which appends to the file
+    again.)"""
+    every_epoch = ('{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
+                   '"init_args": {"save_top_k": -1, "save_on_train_epoch_end": true}}')
+    args = [*tiny_args, *STEPS, "--trainer.max_epochs", "3", "--trainer.check_val_every_n_epoch", "2",
+            "--trainer.logger", "false", f"--trainer.callbacks+={every_epoch}"]
     fit(*args)
     run = tmp_path / "runs" / RUN
     uninterrupted, before = read_scalars(run), rows(run / "scalars.csv")
-    assert max(step for step, _ in before) > 3
+    assert steps(uninterrupted["val/acc"]) == [5, 9]  # after epoch 2, and the final weights after the fit
     fit(*args, "--ckpt_path", str(run / "checkpoints/epoch=0-step=3.ckpt"))
     assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]  # continued in the same run directory
     after = rows(run / "scalars.csv")
@@ -152,6 +155,9 @@ def test_the_scalars_file_is_purged_and_repaired_once_when_appended_to(tmp_path)
     assert path.read_text().splitlines()[0] == "step,tag,value"  # one header
     assert rows(path) == [(s, tag) for s in range(3) for tag in ("a", "b/c")] + [(3, "a")]
     assert read_scalars(path.parent)["a"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    resumed.log_metrics({"a": 40.0}, step=4)  # after finalize (a validation after the fit): appended, no new purge
+    resumed.finalize("success")
+    assert read_scalars(path.parent)["a"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
     # A file with a header only is a run that logged nothing: a failed run leaves no run directory behind.
     empty = ScalarsLogger(tmp_path, name="empty", version=0)
     empty.log_metrics({"x": "not a number"}, step=0)

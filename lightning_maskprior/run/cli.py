@@ -8,7 +8,7 @@ A run's directory is ``<default_root_dir>/<task>-<init>-seed<seed>/version_N`` (
 ``runs/2parity-mask-seed0/version_0``; a configured TensorBoardLogger's own directory), whatever loggers it has: its
 ``ScalarsLogger`` (run/scalars_logger.py), first among them, keeps every scalar in ``scalars.csv`` there. With no
 logger configured the others are one TensorBoardLogger in that same directory, with the run's configuration and final
-metrics in its HPARAMS tab; ``--trainer.logger false`` leaves the scalars file alone.
+metrics in its HPARAMS tab; with ``--trainer.logger false`` the scalars file is the run's only log.
 A fit keeps ``<log_dir>/checkpoints/last.ckpt``; ``--ckpt_path last`` resumes the newest one exactly, in the
 same run directory, whose config.yaml stays as the run started: the options a resume changes are appended to the
 run's record (run/record.py). Exit codes (run/status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT

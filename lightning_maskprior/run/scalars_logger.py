@@ -48,6 +48,7 @@ class ScalarsLogger(CSVLogger):
         self._file: io.TextIOBase | None = None
         self._writer: Any = None
         self._calls = 0
+        self._purged = False  # the purge is done once: a validation after the fit reopens the file to append
 
     @property
     def path(self) -> Path:
@@ -100,7 +101,8 @@ class ScalarsLogger(CSVLogger):
     def _open(self) -> None:
         path = self.path
         path.parent.mkdir(parents=True, exist_ok=True)
-        prepare_for_append(path, self.purge_step)
+        prepare_for_append(path, None if self._purged else self.purge_step)
+        self._purged = True
         self._file = open(path, "a", newline="", encoding="utf-8")  # noqa: SIM115 - closed in finalize
         self._writer = csv.writer(self._file, lineterminator="\n")
         if self._file.tell() == 0:
