@@ -189,20 +189,24 @@ def test_runs_recorded_before_the_scalars_file_are_read_from_their_events(tmp_pa
 @pytest.mark.parametrize("uri,pattern", [
     ("sqlite:///{tmp}/a_file/mlflow.db", r"File exists"),
     ("nosuchscheme://host/x", r"unsupported URI 'nosuchscheme://host/x'"),
+    (None, r"The filesystem tracking backend .* is in maintenance mode"),  # the logger's default, ./mlruns
 ])
-def test_an_mlflow_store_that_cannot_be_opened_is_one_line(uri, pattern, tiny_args, tmp_path, capsys):
+def test_an_mlflow_store_that_cannot_be_opened_is_one_line(uri, pattern, tiny_args, tmp_path, capsys, monkeypatch):
     pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     (tmp_path / "a_file").write_text("not a directory")
-    uri = uri.format(tmp=tmp_path)
+    option = [] if uri is None else ["--trainer.logger.tracking_uri", uri.format(tmp=tmp_path)]
+    uri = "file:./mlruns" if uri is None else uri.format(tmp=tmp_path)
     with pytest.raises(SystemExit) as info:
-        fit(*tiny_args, "--trainer.logger", "MLFlowLogger", "--trainer.logger.tracking_uri", uri)
+        fit(*tiny_args, "--trainer.logger", "MLFlowLogger", *option)
     assert info.value.code == 2
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert line == err.strip().splitlines()[-1] and "Traceback" not in err
     assert re.search(rf"error: trainer.logger: MLFlowLogger cannot open its tracking_uri '{re.escape(uri)}' "
                      rf"\(.*{pattern}.*\); expected a tracking store MLflow can open", line), line
-    assert not (tmp_path / "runs").exists()  # nothing written
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlruns").exists()  # nothing written
 
 
 def test_a_logger_class_that_does_not_exist_is_one_line(tiny_args, tmp_path, capsys):

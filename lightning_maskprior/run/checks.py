@@ -226,7 +226,7 @@ def check_logger_stores(logger: Any) -> None:
 
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
         except Exception as err:  # noqa: BLE001 - whatever the store raised, it cannot be used
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            reason = _first_sentences(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
             raise ValueError(f"trainer.logger: {class_path.rsplit('.', 1)[-1]} cannot open its tracking_uri {uri!r} "
                              f"({reason}); expected a tracking store MLflow can open, e.g. sqlite:///mlflow.db (a "
                              "database file, made if missing) or http://HOST:5000 (a tracking server)") from None
@@ -242,3 +242,11 @@ def _is_mlflow_logger(class_path: str) -> bool:
         return isinstance(cls, type) and issubclass(cls, MLFlowLogger)
     except Exception:  # noqa: BLE001 - not importable: the parser names it
         return False
+
+
+def _first_sentences(text: str, limit: int = 240) -> str:
+    """``text`` up to the last full sentence within ``limit`` characters (a library's message can run to a page)."""
+    if len(text) <= limit:
+        return text
+    end = text.rfind(". ", 0, limit)
+    return text[: end + 1] if end > 0 else text[:limit] + "..."
