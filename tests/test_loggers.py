@@ -51,6 +51,19 @@ def offline_wandb(tmp_path, monkeypatch):
     wandb.finish()  # Lightning's WandbLogger leaves its run open: the next fit in this process would log to it
 
 
+@pytest.fixture
+def mlflow_env():
+    """MLflow with the process's MLFLOW_TRACKING_URI put back afterwards (MLFlowLogger's mlflow.set_tracking_uri sets
+    it for the whole process: a later test's logger would read it)."""
+    pytest.importorskip("mlflow")
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 def _logger_args(kind: str, tmp_path: Path, monkeypatch) -> list[str]:
     if kind == "tensorboard":
         return []
@@ -59,7 +72,6 @@ def _logger_args(kind: str, tmp_path: Path, monkeypatch) -> list[str]:
     if kind == "csv":
         return ["--trainer.logger", "CSVLogger", "--trainer.logger.save_dir", str(tmp_path / "csv")]
     if kind == "mlflow":
-        pytest.importorskip("mlflow")
         return ["--trainer.logger", "MLFlowLogger", "--trainer.logger.tracking_uri",
                 f"sqlite:///{tmp_path / 'mlflow.db'}"]
     if kind == "wandb":
@@ -75,6 +87,8 @@ def _logger_args(kind: str, tmp_path: Path, monkeypatch) -> list[str]:
 def test_a_fit_with_any_logger_keeps_its_run_directory_and_scalars(kind, tiny_args, tmp_path, monkeypatch, request):
     if kind.startswith("wandb"):
         request.getfixturevalue("offline_wandb")
+    if kind == "mlflow":
+        request.getfixturevalue("mlflow_env")
     fit(*tiny_args, *STEPS, *_logger_args(kind, tmp_path, monkeypatch))
     run = tmp_path / "runs" / RUN
     assert sorted(p.relative_to(tmp_path / "runs").as_posix() for p in (tmp_path / "runs").glob("*/*")) == [RUN]

@@ -218,8 +218,10 @@ def check_logger_stores(logger: Any) -> None:
         if not isinstance(class_path, str) or not _is_mlflow_logger(class_path):
             continue
         init_args = getattr(entry, "init_args", None) or {}
-        uri = init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:  # MLFlowLogger's own default: a file store under save_dir
+        # What MLFlowLogger opens: its tracking_uri (whose default the parser filled in from MLFLOW_TRACKING_URI),
+        # else a file store under its save_dir.
+        uri = init_args.get("tracking_uri") if "tracking_uri" in init_args else os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
             uri = f"file:{init_args.get('save_dir') or './mlruns'}"
         try:
             from mlflow.tracking import MlflowClient
