@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_maskprior.run.tensorboard import read_scalars
+from lightning_maskprior.run.scalars import read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 

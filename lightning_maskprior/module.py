@@ -362,10 +362,12 @@ class MaskPriorModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         metrics = getattr(self, "discovery_metrics", None)
-        if self.projection_error and self.logger is not None and self.global_step == 0:
-            self.logger.log_metrics({"prior/projection_error": self.projection_error}, step=0)
+        if self.projection_error and self.global_step == 0:
+            for logger in self.loggers:  # all of them: self.logger is only the first
+                logger.log_metrics({"prior/projection_error": self.projection_error}, step=0)
         if metrics and self.logger is not None and self.global_step == 0:
-            self.logger.log_metrics(metrics, step=0)
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=0)
             # the structure this run trained with, beside its config in hparams.yaml (the logger wrote the
             # hyperparameters as the CLI gave them, "discover:<method>", before the estimator ran)
             log_dir, hparams = getattr(self.logger, "log_dir", None), getattr(self.logger, "hparams", None)

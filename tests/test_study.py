@@ -113,7 +113,7 @@ def test_shipped_studies_validate(path, monkeypatch):
         ({"inits": ["mask", {"name": "mask"}]}, r"inits \(labels\): \['mask'\] appear more than once"),
         ({"tasks": [{"name": "a", "config": "configs/boolean/2parity.yaml", "metric": ["val/acc"]}]},
          r"tasks\[0\] \(a\): unknown keys \['metric'\]"),
-        ({"metrics": ["acc"]}, r"metrics\[0\]: a metric is a TensorBoard tag like 'test/acc'"),
+        ({"metrics": ["acc"]}, r"metrics\[0\]: a metric is a logged tag like 'test/acc'"),
         ({"paper_tables": ["5"]}, r"paper_tables\[0\]: the paper has no table '5'"),
         ({"parallel": 0}, "parallel: must be a positive integer"),
     ],

@@ -7,6 +7,8 @@ Each error names the file or option, the bad value and what was expected. A chec
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -202,3 +204,51 @@ def check_fit_options(trainer: Mapping[str, Any], model: Mapping[str, Any]) -> N
     if lr is not None and not (_number(lr) and lr > 0):
         raise ValueError(f"model.optimizer.init_args.lr must be a number > 0, got {lr!r}: the fit would train "
                          "nothing")
+
+
+# ------------------------------------------------------------------------------------------- loggers
+def check_logger_stores(logger: Any) -> None:
+    """Refuse, naming it, an MLFlowLogger whose tracking store MLflow cannot open (a ``sqlite:///`` file in a place
+    that cannot hold one, a scheme MLflow does not know, a server it cannot reach), before anything is written; the
+    logger itself would fail only once the run logs. ``logger`` is the config's ``trainer.logger`` (one class
+    config or a list of them)."""
+    for entry in logger if isinstance(logger, list | tuple) else [logger]:
+        class_path = getattr(entry, "class_path", None) or (entry.get("class_path") if isinstance(entry, Mapping)
+                                                             else None)
+        if not isinstance(class_path, str) or not _is_mlflow_logger(class_path):
+            continue
+        init_args = getattr(entry, "init_args", None) or {}
+        # What MLFlowLogger opens: its tracking_uri (whose default the parser filled in from MLFLOW_TRACKING_URI),
+        # else a file store under its save_dir.
+        uri = init_args.get("tracking_uri") if "tracking_uri" in init_args else os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = f"file:{init_args.get('save_dir') or './mlruns'}"
+        try:
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        except Exception as err:  # noqa: BLE001 - whatever the store raised, it cannot be used
+            reason = _first_sentences(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+            raise ValueError(f"trainer.logger: {class_path.rsplit('.', 1)[-1]} cannot open its tracking_uri {uri!r} "
+                             f"({reason}); expected a tracking store MLflow can open, e.g. sqlite:///mlflow.db (a "
+                             "database file, made if missing) or http://HOST:5000 (a tracking server)") from None
+
+
+def _is_mlflow_logger(class_path: str) -> bool:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    module, _, name = class_path.rpartition(".")
+    try:
+
+        cls = getattr(importlib.import_module(module), name)
+        return isinstance(cls, type) and issubclass(cls, MLFlowLogger)
+    except Exception:  # noqa: BLE001 - not importable: the parser names it
+        return False
+
+
+def _first_sentences(text: str, limit: int = 240) -> str:
+    """``text`` up to the last full sentence within ``limit`` characters (a library's message can run to a page)."""
+    if len(text) <= limit:
+        return text
+    end = text.rfind(". ", 0, limit)
+    return text[: end + 1] if end > 0 else text[:limit] + "..."

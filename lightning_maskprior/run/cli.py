@@ -4,8 +4,11 @@
     maskprior fit --help
 
 The configs compose over ``configs/trainer/default.yaml`` (``config_files.default_files``), read before any ``-c``.
-A run with no logger configured logs to ``<default_root_dir>/<task>-<init>-seed<seed>/version_N`` (e.g.
-``runs/2parity-mask-seed0/version_0``), with its configuration and final metrics in TensorBoard's HPARAMS tab.
+A run's directory is ``<default_root_dir>/<task>-<init>-seed<seed>/version_N`` (e.g.
+``runs/2parity-mask-seed0/version_0``; a configured TensorBoardLogger's own directory), whatever loggers it has: its
+``ScalarsLogger`` (run/scalars_logger.py), first among them, keeps every scalar in ``scalars.csv`` there. With no
+logger configured the others are one TensorBoardLogger in that same directory, with the run's configuration and final
+metrics in its HPARAMS tab; with ``--trainer.logger false`` the scalars file is the run's only log.
 A fit keeps ``<log_dir>/checkpoints/last.ckpt``; ``--ckpt_path last`` resumes the newest one exactly, in the
 same run directory, whose config.yaml stays as the run started: the options a resume changes are appended to the
 run's record (run/record.py). Exit codes (run/status.py): 0 done, 3 diverged, 143 / 130 stopped by SIGTERM / SIGINT
@@ -26,7 +29,7 @@ import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
@@ -44,6 +47,7 @@ from lightning_maskprior.run import status as run_status
 from lightning_maskprior.run.atomic import AtomicCheckpointIO
 from lightning_maskprior.run.resume import ResumedOptions
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, StudyRunDir
+from lightning_maskprior.run.scalars_logger import ScalarsLogger
 
 
 class OneLineParser(config_files.CheckedConfigFiles, errors.OneLineErrors, LightningArgumentParser):
@@ -67,14 +71,14 @@ class ReadOnceCheckpointIO(AtomicCheckpointIO):
 
 
 class RemoveEmptyRun(Callback):
-    """A run that fails before it logs anything leaves no empty run in TensorBoard (``RunDir.remove_if_empty``)."""
+    """A run that fails before it logs anything leaves no empty run directory (``RunDir.remove_if_empty``)."""
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # logger.log_dir, not trainer.log_dir: the latter is a collective call, unsafe on a failure path.
-        logger = trainer.logger
-        if trainer.is_global_zero and logger is not None:
-            logger.finalize("failed")  # flushed first: a value still queued in the event writer is a result
-            _remove_if_empty(getattr(logger, "log_dir", None))
+        if trainer.is_global_zero and trainer.loggers:
+            for logger in trainer.loggers:
+                logger.finalize("failed")  # flushed first: a value still queued in the event writer is a result
+            _remove_if_empty(getattr(trainer.loggers[0], "log_dir", None))
 
 
 class MaskPriorCLI(LightningCLI):
@@ -121,6 +125,11 @@ class MaskPriorCLI(LightningCLI):
             _continue_run_directory(self.config.fit, self.checkpoint)
         elif self.subcommand is not None:
             _without_purge_step(self.config[self.subcommand].trainer)
+        if self.subcommand in ("fit", "validate", "test"):
+            try:
+                checks.check_logger_stores(self.config[self.subcommand].trainer.get("logger"))
+            except ValueError as err:
+                _bad_input(str(err))
         if self.subcommand is not None:
             # bf16 on a CPU without native bf16 becomes fp32. Changed in the config, so the run's config.yaml
             # (and its hparams) record the precision the run used.
@@ -166,9 +175,11 @@ class MaskPriorCLI(LightningCLI):
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured):
             run_dir = RunDir.of_checkpoint(self.config.predict.get("ckpt_path"))
             callbacks.append(PredictionWriter(run_dir.path if run_dir is not None else None))
-        kwargs["logger"] = self._logger(config.get("logger"), config.get("default_root_dir"))
         if self.subcommand in ("fit", "validate", "test"):
-            callbacks += self._tensorboard_callbacks(kwargs["logger"], configured)
+            kwargs["logger"] = self._loggers(config.get("logger"), config.get("default_root_dir"))
+            callbacks += self._logging_callbacks(configured)
+        else:  # predict logs nothing: its predictions go to the checkpoint's run directory
+            kwargs["logger"] = self._logger(config.get("logger"), config.get("default_root_dir"))
         checkpointing = [c for c in configured if isinstance(c, ModelCheckpoint)]
         if config.get("enable_checkpointing", True) is not False:
             if not checkpointing:
@@ -194,15 +205,47 @@ class MaskPriorCLI(LightningCLI):
     def _logger(self, logger: Any, root: str | None) -> Any:
         """A run that configured no logger logs to ``<root>/<task>-<init>-seed<seed>/version_N``."""
         if logger is None or logger is True:  # Lightning's default: a TensorBoardLogger in default_root_dir
-            config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
-            return _default_logger(root, self.model, config.get("seed_everything"))
+            return _default_logger(root, self.model, self._seed())
         return logger
 
-    def _tensorboard_callbacks(self, logger: Any, configured: list[Callback]) -> list[Callback]:
-        """With a logger, the run's HPARAMS session and, in a fit with no LearningRateMonitor of its own, the learning
-        rate per parameter group, ``train/lr/<group>``, every ``log_every_n_steps`` steps."""
-        if logger is False or not _as_list(logger):
-            return []
+    def _seed(self) -> Any:
+        config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
+        return config.get("seed_everything")
+
+    def _loggers(self, logger: Any, root: str | None) -> list[Logger]:
+        """The run's loggers: its ScalarsLogger first (Lightning's ``trainer.log_dir`` and checkpoint directory are
+        the first logger's: the run directory), then the configured ones, a TensorBoardLogger in the run directory
+        when none is configured, none for ``logger: false``."""
+        default = logger is None or logger is True
+        configured = [] if default or logger is False else _as_list(logger)
+        run = self._scalars_logger(configured, root or os.getcwd())
+        if default:
+            configured = [_default_logger(run.save_dir, self.model, self._seed(), name=run.name, version=run.version)]
+        return [run, *configured]
+
+    def _scalars_logger(self, configured: list[Logger], root: str) -> ScalarsLogger:
+        """The run directory's logger. A resumed fit's is its checkpoint's run directory, with the points logged after
+        the checkpoint purged; a study's run keeps its fits in ``<root>/lightning_logs/``; a configured
+        TensorBoardLogger first among the loggers gives its own directory (it can resume into it); any other run's
+        is ``<root>/<task>-<init>-seed<seed>/version_N``."""
+        checkpoint = self.checkpoint
+        run_dir = checkpoint.run_dir if checkpoint is not None and self.subcommand == "fit" else None
+        if run_dir is not None and checkpoint.path.is_file():
+            path = run_dir.path
+            return ScalarsLogger(save_dir=path.parent.parent, name=path.parent.name, version=path.name,
+                                 purge_step=checkpoint.global_step + 1)
+        study = StudyRunDir(root).run_record.is_file()
+        first = configured[0] if configured else None
+        if isinstance(first, TensorBoardLogger) and not study:
+            return ScalarsLogger(save_dir=first.save_dir, name=first.name, version=first.version)
+        name = StudyRunDir.LOGS if study else run_name(self.model, self._seed())
+        logger = ScalarsLogger(save_dir=root, name=name, version=_slurm_version(root, name))
+        logger.version  # noqa: B018 - the next free version, fixed now: a default TensorBoardLogger shares it
+        return logger
+
+    def _logging_callbacks(self, configured: list[Callback]) -> list[Callback]:
+        """The run's HPARAMS session (for its TensorBoard loggers) and, in a fit with no LearningRateMonitor of its own,
+        the learning rate per parameter group, ``train/lr/<group>``, every ``log_every_n_steps`` steps."""
         run_dir = self.checkpoint.run_dir if self.checkpoint is not None else None
         resumed = run_dir.path if self.subcommand == "fit" and run_dir is not None else None
         callbacks: list[Callback] = [HparamsSession(resumed_run=resumed)]
@@ -306,12 +349,22 @@ def run_name(model: Any, seed: Any) -> str:
     return "-".join(re.sub(r"[^A-Za-z0-9._+]+", "_", part) for part in parts if part)
 
 
-def _default_logger(root: str | None, model: Any, seed: Any) -> TensorBoardLogger:
+def _default_logger(root: str | None, model: Any, seed: Any, name: str | None = None,
+                    version: int | str | None = None) -> TensorBoardLogger:
     """The TensorBoardLogger Lightning would create (``save_dir`` = default_root_dir, the SLURM job id as the
     version under SLURM), named ``run_name`` instead of ``lightning_logs``, with no ``hp_metric`` placeholder.
-    A study's run directory keeps ``lightning_logs``: the study already names it ``<task>/<init>/seed<k>``."""
+    A study's run directory keeps ``lightning_logs``: the study already names it ``<task>/<init>/seed<k>``.
+    ``name`` and ``version``: the run directory's, when the run's ScalarsLogger has chosen it."""
     root = root or os.getcwd()
-    name = StudyRunDir.LOGS if StudyRunDir(root).run_record.is_file() else run_name(model, seed)
+    if name is None:
+        name = StudyRunDir.LOGS if StudyRunDir(root).run_record.is_file() else run_name(model, seed)
+    if version is None:
+        version = _slurm_version(root, name)
+    return TensorBoardLogger(save_dir=root, name=name, version=version, default_hp_metric=False)
+
+
+def _slurm_version(root: str, name: str) -> str | int | None:
+    """Under SLURM, the job id as the version (Lightning's default); None elsewhere: the next free version."""
     version = SLURMEnvironment.job_id()
     if version is not None:
         # Two fits in one SLURM job (or a second fit after the first finished) must not share a directory; a
@@ -319,7 +372,7 @@ def _default_logger(root: str | None, model: Any, seed: Any) -> TensorBoardLogge
         job, taken, k = version, Path(root) / name, 1
         while (taken / (version if isinstance(version, str) else f"version_{version}")).exists():
             version, k = f"version_{job}_{k}", k + 1
-    return TensorBoardLogger(save_dir=root, name=name, version=version, default_hp_metric=False)
+    return version
 
 
 def _bad_input(message: str) -> None:

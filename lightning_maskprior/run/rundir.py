@@ -5,13 +5,14 @@ A fit writes ``<root>/<name>/<version>/`` (a :class:`RunDir`, e.g. ``runs/2parit
     config.yaml          the whole configuration the fit started with (precision as used), written once
     changes.yaml         one segment per resume that changed an option: its step, old and new value (record.py)
     hparams.yaml         the module's hyperparameters (Lightning's)
+    scalars.csv          every scalar the run logged, ``step,tag,value`` (run/scalars.py), whatever its loggers
     checkpoints/         last.ckpt after every epoch (or at a ModelCheckpoint's cadence) and at the end; the others
     predictions.csv      what ``maskprior predict`` wrote from one of its checkpoints
-    events.out.tfevents.* TensorBoard
+    events.out.tfevents.* TensorBoard (the default logger's; another logger writes where it is configured to)
 
 A study runs each fit in a :class:`StudyRunDir` (``<out_dir>/<task>/<init>/seed<k>/``), which holds the run's
 record (``run.json``, written by the study), its result (``result.json``, written by the run), the console output
-and the fit's own run directory under ``lightning_logs/``.
+and the fit's own run directory under ``lightning_logs/`` (whatever loggers the run has), with the test's beside it.
 
 :class:`Checkpoint` is one checkpoint file, read at most once (safely: tensors and plain values only) however many
 checks look at it.
@@ -32,10 +33,12 @@ import yaml
 
 from lightning_maskprior.checkpoints import CheckpointError
 from lightning_maskprior.run.precision import FALLBACK
+from lightning_maskprior.run.scalars import SCALARS
+from lightning_maskprior.run.scalars import has_logged_values as _scalars_logged
 
 
 class RunDir:
-    """A fit's run directory (the TensorBoard logger's ``log_dir``)."""
+    """A fit's run directory (the ``log_dir`` of the CLI's ``ScalarsLogger``, first among the run's loggers)."""
 
     CONFIG = "config.yaml"
     HPARAMS = "hparams.yaml"
@@ -44,6 +47,7 @@ class RunDir:
     LAST = "last.ckpt"
     PREDICTIONS = "predictions.csv"
     CHANGES = "changes.yaml"  # options a resumed fit changed, with the step they took effect at (run/record.py)
+    SCALARS = SCALARS  # every logged scalar (run/scalars.py)
     FILES_WITHOUT_RESULTS = (CONFIG, HPARAMS, TOKENIZER)  # what a run writes before it has measured anything
 
     def __init__(self, path: str | Path) -> None:
@@ -84,6 +88,10 @@ class RunDir:
     @property
     def changes(self) -> Path:
         return self.path / self.CHANGES
+
+    @property
+    def scalars(self) -> Path:
+        return self.path / self.SCALARS
 
     # ------------------------------------------------------------------------------------------------ facts
     def config(self) -> dict[str, Any]:
@@ -156,9 +164,9 @@ class RunDir:
         """Remove a run directory a failed run left with nothing in it, and its parent (the run's name, e.g.
         ``runs/2parity-mask-seed0``) if that is then empty; True if removed.
 
-        Nothing means: only ``FILES_WITHOUT_RESULTS``, event files without a logged value (hyperparameters only)
-        and empty folders (``checkpoints/``). Anything else (a scalar, an image, a checkpoint, a file of the
-        user's) keeps it.
+        Nothing means: only ``FILES_WITHOUT_RESULTS``, a scalars file or event files without a logged value (a header,
+        hyperparameters only) and empty folders (``checkpoints/``). Anything else (a scalar, an image, a
+        checkpoint, a file of the user's) keeps it.
         """
         if not self.path.is_dir():
             return False
@@ -166,6 +174,8 @@ class RunDir:
             if path.is_dir() or (path.parent == self.path and path.name in self.FILES_WITHOUT_RESULTS):
                 continue
             if path.name.startswith("events.out.tfevents.") and not _has_logged_values(path):
+                continue
+            if path.parent == self.path and path.name == self.SCALARS and not _scalars_logged(path):
                 continue
             return False
         shutil.rmtree(self.path, ignore_errors=True)

@@ -285,7 +285,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
     result.update(status=status, stage=stage, returncode=rc, ended_at=end,
                   seconds=round(earlier.get("seconds", 0.0) + end - start, 1))
     if status in FINISHED:
-        from lightning_maskprior.run.tensorboard import last_scalars
+        from lightning_maskprior.run.scalars import last_scalars
 
         result["metrics"] = last_scalars(run_dir)
     else:

@@ -5,8 +5,9 @@
     maskprior study -c configs/study/boolean_cpu.yaml --dry_run true     (check every command, run nothing)
     maskprior study --help
 
-Every run gets its own directory ``<out_dir>/<task>/<init>/seed<k>/`` with its TensorBoard logs,
-checkpoints, console output, the ``run.json`` the study wrote and the ``result.json`` the run wrote.
+Every run gets its own directory ``<out_dir>/<task>/<init>/seed<k>/`` with its logs (the scalars file, and
+TensorBoard's unless the runs configure other loggers), checkpoints, console output, the ``run.json`` the study
+wrote and the ``result.json`` the run wrote.
 Each run is one self-contained command (``python -m lightning_maskprior.study.cell <run_dir>``), started
 by a launcher: local processes (disjoint GPU slots with ``gpus_per_run``), SLURM or Ray. A run with a
 ``result.json`` from the same command and config contents (what the configs parse to, wherever they lie: an

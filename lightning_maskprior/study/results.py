@@ -154,7 +154,7 @@ def _current(run: Run) -> dict | None:
 
 def collect(study: Study, curves: bool = True) -> None:
     """Write study.json and results.csv into ``study.out_dir`` from the runs' result.json files, and with
-    ``curves`` also curves.csv.gz and attention_maps.npz (these read every run's TensorBoard events: slower)."""
+    ``curves`` also curves.csv.gz and attention_maps.npz (these read every run's scalars file: slower)."""
     out = study.out_dir
     out.mkdir(parents=True, exist_ok=True)
     # results_from and out_dir's own files are read before these are rewritten: a finished row that no run
@@ -262,7 +262,7 @@ def rows_on_files(result: ResultSet) -> list[RunRow]:
 
 
 def fit_log_dir(run_dir: Path) -> Path:
-    """The fit's TensorBoard directory (not the test's): the one fit.json names, else the run directory."""
+    """The fit's run directory (not the test's): the one fit.json names, else the study's run directory."""
     try:
         logged = Path(json.loads(StudyRunDir(run_dir).fit_done.read_text())["log_dir"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -303,8 +303,9 @@ def downsample(points: list, limit: int = MAX_POINTS) -> list:
 
 def _write_curves(path: Path, runs: list[tuple[Run, dict]], previous: ResultSet | None = None,
                   kept: list[Run] = ()) -> None:
-    """Every run's curves from its TensorBoard events; the ``kept`` runs' from the ``previous`` curves file."""
-    from lightning_maskprior.run.tensorboard import read_scalars
+    """Every run's curves from its scalars file (TensorBoard events for a run without one); the ``kept`` runs'
+    from the ``previous`` curves file."""
+    from lightning_maskprior.run.scalars import read_scalars
 
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")

@@ -47,10 +47,10 @@ Better = Literal["higher", "lower", "none"]
 
 @dataclass
 class Metric:
-    """A number in each cell of the table: a TensorBoard tag's last value in the run."""
+    """A number in each cell of the table: the last value the run logged under a tag."""
 
     tag: str | None = None
-    """TensorBoard tag read from the run, e.g. test/acc (required)."""
+    """The tag the run logged it under (its scalars file's, TensorBoard's), e.g. test/acc (required)."""
     label: str | None = None
     """Column text (default: the tag)."""
     scale: float = 1.0
@@ -129,7 +129,7 @@ class Study:
     seed_args: list[str] = field(default_factory=lambda: ["--seed_everything"])
     """CLI options that receive the run's seed (e.g. also --data.init_args.seed to vary the data order)."""
     metrics: list[Metric | str | dict[str, Any]] = field(default_factory=list)
-    """Numbers in each cell: TensorBoard tags (the run's last value) or mappings of tag, label, scale, digits, paper
+    """Numbers in each cell: logged tags (the run's last value) or mappings of tag, label, scale, digits, paper
     and better (``--metrics.help Metric`` explains each). Tasks may override them."""
     curves: list[str] = field(default_factory=lambda: ["val/acc"])
     """Tags plotted over training per init method (each seed faint, the mean bold), one figure per task
@@ -285,7 +285,7 @@ def _metrics(values: list, where: str) -> list[Metric]:
         if isinstance(value, str):
             value = {"tag": value}
         if not isinstance(value, dict) or not isinstance(value.get("tag"), str) or "/" not in value["tag"]:
-            raise StudyError(f"{at}: a metric is a TensorBoard tag like 'test/acc' or a mapping with one, "
+            raise StudyError(f"{at}: a metric is a logged tag like 'test/acc' or a mapping with one, "
                              f"got {value!r}")
         metric = Metric(**_parse(Metric, value, at))
         if metric.digits < 0:

@@ -240,7 +240,7 @@ def markdown(result: ResultSet, figures: list[str] | None = None, level: int = 1
     never = _never_logged(result)
     if never:
         lines.append(f"- **Warning**: no finished run logged {', '.join(never)}; its cells are empty (is the tag "
-                     "spelt as the runs log it? `tensorboard --logdir <run>` lists them).")
+                     "spelt as the runs log it? each run's scalars.csv lists them).")
     bare = _without_curves(result)
     if bare:
         shown = ", ".join(bare)  # every one: a reader of a published table sees which curves it lacks
