@@ -39,14 +39,16 @@ def runs(path: Path) -> dict[str, dict[str, np.ndarray]]:
             for key in data.files:
                 name, field = key.rsplit("/", 1)
                 found.setdefault(name, {})[field] = data[key]
-    for file in sorted(path.glob("*/*/seed*/attention_maps.npz")):
+    for file in sorted(path.glob("*/*/seed*/attention_maps.npz")):  # a run's own file stands for its collected copy
+        name = str(file.parent.relative_to(path))
+        found.pop(name.rsplit("/", 1)[0], None)
         with np.load(file) as data:
-            found[str(file.parent.relative_to(path))] = {key: data[key] for key in data.files}
+            found[name] = {key: data[key] for key in data.files}
     return found
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, help="study out_dirs or result directories")
     args = parser.parse_args()
     print("| run | open mass, step 0 | end | end / step 0 | restricted rows: step 0 | end | end / step 0 | end step |")

@@ -81,3 +81,37 @@ def test_loss_reading_rules_out_a_loss_below_what_the_wrong_digits_cost(tmp_path
     ours = next(line for line in lines if line.startswith("| study (2 seeds) | multiplication |"))
     assert "| 85.00 | 0.600 | 0.104 (fits) | - | 4.00 |" in ours  # mean acc 0.85, loss 0.6: 0.6 / 0.15 nats
     assert "allows eps <= 0.033" in proc.stdout
+
+
+def test_open_mass_reads_a_study_s_saved_maps(tmp_path):
+    """Uniform attention at step 0 puts each row's open fraction on the structure; all of it at the end. A run's own
+    maps stand for the study's collected copy of the same run."""
+    import numpy as np
+
+    structure = np.ones((1, 1, 3, 3))
+    structure[0, 0, 0, 2] = 0  # row 0 opens 2 of 3 keys; rows 1 and 2 open all
+    start = np.full((1, 1, 3, 3), 1 / 3)
+    end = np.where(structure > 0, 0.5, 0.0)
+    end[0, 0, 1:] = 1 / 3
+    run_dir = tmp_path / "study" / "task" / "qk_opt" / "seed0"
+    run_dir.mkdir(parents=True)
+    np.savez(run_dir / "attention_maps.npz", start=start, end=end, structure=structure, end_step=40)
+    np.savez(tmp_path / "study" / "attention_maps.npz", **{"task/qk_opt/start": start, "task/qk_opt/end": start,
+                                                             "task/qk_opt/structure": structure})
+    proc = run(ROOT / "scripts" / "open_mass.py", tmp_path / "study")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| task/")]
+    # all rows: (2/3 + 1 + 1) / 3 = 0.889 -> 1; restricted (row 0 only): 0.667 -> 1.0
+    assert rows == ["| task/qk_opt/seed0 | 0.889 | 1.000 | 1.125 | 0.667 | 1.000 | 1.500 | 40 |"]
+
+
+def test_init_mass_tells_a_mask_from_the_default(tmp_path):
+    """On 2parity (the two structured bits open to each other, every other row closed but its own entry), the mask's
+    prior puts its rows' mass on the structure at init; the default does not."""
+    proc = run(ROOT / "scripts" / "init_mass.py", "-c", "boolean/2parity.yaml", "--examples", "32",
+               "--init", "default", "{}", "--init", "mask", "{}",
+               "--override=--model.backbone.init_args.dim=16", "--override=--model.backbone.init_args.depth=1")
+    assert proc.returncode == 0, proc.stderr
+    means = {line.split(" ")[0]: float(line.split("mean ")[1].split(" ")[0]) for line in proc.stdout.splitlines()
+             if " mean " in line}
+    assert means["mask"] > 0.95 and means["default"] < 0.5, proc.stdout
