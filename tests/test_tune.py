@@ -212,6 +212,8 @@ def test_a_killed_worker_s_trial_is_retried_in_its_directory_and_resumes(tmp_pat
 
 
 def test_two_workers_share_one_sqlite_study(tmp_path):
+    """Two workers started together on one SQLite study make its n_trials between them, each trial once, in a
+    directory of its own. (Whether their trials overlap in time depends on the machine's load: not asserted.)"""
     path = tune_file(tmp_path, n_trials=2, prune_on=None)
     workers = [tune_process(path, log=tmp_path / f"worker{i}.log") for i in range(2)]
     for i, worker in enumerate(workers):
@@ -220,6 +222,4 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
     done = counted(trials)
     assert len(done) == 2 and {t["state"] for t in done} == {"COMPLETE"}
     assert len({t["user_attrs"]["worker"] for t in done}) == 2  # both workers ran trials
-    spans = sorted((t["datetime_start"], t["datetime_complete"], t["user_attrs"]["worker"]) for t in done)
-    assert any(a[2] != b[2] and b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))  # at the same time
     assert len({t["user_attrs"]["dir"] for t in done}) == 2  # each in its own run directory
