@@ -101,7 +101,8 @@ def cell_lock(run_dir: Path, wait: float | None = None):
         lock.release()
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A JSON object from ``path``; None when the file is missing, unreadable or not an object."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -121,7 +122,7 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
     if run.dir.exists():
         try:
             with cell_lock(run.dir):  # a cell still saving its checkpoint finishes first
-                previous, result = _read_json(run.run_path), run.load_result()
+                previous, result = read_json(run.run_path), run.load_result()
                 unfinished = result is None or (run.owns(result) and result.get("status") == "interrupted")
                 files = StudyRunDir(run.dir)
                 resumable = files.resume_checkpoint() is not None or files.fit_done.is_file()
@@ -230,7 +231,7 @@ def run_cell(run_dir: Path, in_process: bool = False, children: _Children | None
 
 def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> dict:
     files = StudyRunDir(run_dir)
-    spec = _read_json(files.run_record)
+    spec = read_json(files.run_record)
     if spec is None:
         raise FileNotFoundError(f"{files.run_record} is missing or unreadable; the study writes it before "
                                 "launching the cell")
@@ -238,7 +239,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
     start = time.time()
     from lightning_maskprior.study.spec import format_command, same_run
 
-    previous = _read_json(files.result)
+    previous = read_json(files.result)
     interrupted = same_run(previous, spec["key"], spec["name"]) and previous.get("status") == "interrupted"
     earlier = previous if interrupted else {}
     result: dict[str, Any] = {
@@ -247,7 +248,7 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "threads": spec.get("threads"),
         "started_at": start, "attempts": earlier.get("attempts", 1) + 1 if earlier else 1,
     }
-    fit_record = _read_json(files.fit_done)
+    fit_record = read_json(files.fit_done)
     if same_run(fit_record, spec["key"], spec["name"]):  # fitted before; the test was stopped
         rc, stage, fit_dir = 0, "fit", RunDir(fit_record["log_dir"])
         result["commands"].append(fit_record["command"])

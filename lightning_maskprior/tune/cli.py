@@ -339,7 +339,7 @@ class Worker:
         import optuna
 
         from lightning_maskprior.callbacks.optuna_pruning import PRUNED_FILE
-        from lightning_maskprior.study.cell import prepare_run, write_json
+        from lightning_maskprior.study.cell import prepare_run, read_json, write_json
         from lightning_maskprior.tune.spec import PRUNING_FILE, suggest, trial_runs
 
         tune = self.tune
@@ -364,7 +364,7 @@ class Worker:
                                               "trial_id": trial._trial_id, "trial_number": trial.number,
                                               "pruner": tune.pruner})
         results = self._execute(runs[:1])
-        pruned = _read_json(trial_dir / PRUNED_FILE)
+        pruned = read_json(trial_dir / PRUNED_FILE)
         if pruned is None and results[0][1].get("status") == "ok":
             results += self._execute(runs[1:])
         records, values, failed = [], [], []
@@ -453,11 +453,3 @@ def finished(run: Any) -> dict[str, float]:
     from lightning_maskprior.tune.record import finished_metrics
 
     return finished_metrics(run.dir)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
