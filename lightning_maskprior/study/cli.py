@@ -62,9 +62,10 @@ class Interrupted(Exception):
     """The study was asked to stop (SIGTERM, SIGINT, SIGHUP); ``args[0]``: the signal's number."""
 
 
-def build_parser():
-    """The ``maskprior study`` argument parser: every key of a study file (a field of ``Study``) is an option
-    here, and two of the command's own."""
+def file_parser(prog: str, description: str, kind: str):
+    """An argument parser for a command driven by one YAML file of options (a study or tune file): errors in one line
+    (exit 2), the file's own among them, naming it as ``kind``; the description's line breaks kept; ``-c/--config``
+    reads the file."""
     import argparse
 
     from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
@@ -72,14 +73,20 @@ def build_parser():
     class HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         """Keeps the description's line breaks (the examples)."""
 
-    class StudyParser(CheckedConfigFiles, OneLineErrors, ArgumentParser):
-        """Errors in one line (exit 2), the study file's among them."""
+    class FileParser(CheckedConfigFiles, OneLineErrors, ArgumentParser):
+        """Errors in one line (exit 2), the file's among them."""
 
-        config_file_kind = "study file"
+        config_file_kind = kind
 
-    parser = StudyParser(prog="maskprior study", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("-c", "--config", action=ActionConfigFile,
-        help="The study file (YAML) holding the options below.")
+    parser = FileParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help=f"The {kind} (YAML) holding the options below.")
+    return parser
+
+
+def build_parser():
+    """The ``maskprior study`` argument parser: every key of a study file (a field of ``Study``) is an option
+    here, and two of the command's own."""
+    parser = file_parser("maskprior study", __doc__, "study file")
     add_study_arguments(parser)
     parser.add_argument("--dry_run", type=bool, default=False,
         help="Validate the study, parse every run's full fit command (a misspelled option fails here), make the "

@@ -338,29 +338,40 @@ def _check_seeds(study: Study) -> None:
         raise StudyError(f"seed_args: each entry is a CLI option like --seed_everything, got {study.seed_args}")
 
 
-def _tasks(study: Study, bases: list[Path]) -> list[TaskEntry]:
-    """The study's task entries, typed and checked, their config paths resolved against ``bases``."""
-    if not study.tasks:
-        raise StudyError("tasks: give at least one task (a config path or a mapping with name and config)")
-    tasks = []
-    for i, entry in enumerate(study.tasks):
-        entry = {"config": entry} if isinstance(entry, str | os.PathLike) else entry
+def task_entries(values: list, bases: list[Path], of: type,
+                 kind: type[StudyError] = StudyError) -> list[tuple[Any, str]]:
+    """The task entries of a study or tune file (a config path, or a mapping with config, name and args), each
+    typed as the dataclass ``of`` with a safe name, its config paths resolved against ``bases`` and its args as
+    strings, beside the ``tasks[i] (name)`` that messages about it name. Errors are ``kind``."""
+    if not values:
+        raise kind("tasks: give at least one task (a config path or a mapping with name and config)")
+    entries = []
+    for i, entry in enumerate(values):
+        entry = {"config": entry} if not isinstance(entry, dict) else entry
         configs = _as_list(entry.get("config"))
-        task_name = str(entry.get("name") or (Path(str(configs[0])).stem if configs else ""))
-        where = f"tasks[{i}] ({task_name})" if task_name else f"tasks[{i}]"
-        task = TaskEntry(**_parse(TaskEntry, entry, where))
+        name = str(entry.get("name") or (Path(str(configs[0])).stem if configs else ""))
+        where = f"tasks[{i}] ({name})" if name else f"tasks[{i}]"
+        task = of(**_parse(of, entry, where))
         if not configs:
-            raise StudyError(f"{where}: no config given")
-        task.name = _safe_name(task_name, where)
+            raise kind(f"{where}: no config given")
+        task.name = _safe_name(name, where)
         task.config = [_resolve_path(c, where, bases) for c in _as_list(task.config)]
         task.args = [str(a) for a in task.args]
+        entries.append((task, where))
+    _check_unique([task.name for task, _ in entries], "tasks")
+    return entries
+
+
+def _tasks(study: Study, bases: list[Path]) -> list[TaskEntry]:
+    """The study's task entries, typed and checked, their metrics, curves and paper key filled in."""
+    tasks = []
+    for task, where in task_entries(study.tasks, bases, TaskEntry):
         task.metrics = study.metrics if task.metrics is None else _metrics(task.metrics, f"{where}.metrics")
         if not task.metrics:
             raise StudyError(f"{where}: no metrics to report; set metrics at the top level or in the task")
         task.curves = study.curves if task.curves is None else task.curves
         task.paper = task.paper or task.name
         tasks.append(task)
-    _check_unique([t.name for t in tasks], "tasks")
     return tasks
 
 

@@ -31,32 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from lightning_maskprior.run import atomic
-from lightning_maskprior.run.config_files import CheckedConfigFiles
-from lightning_maskprior.run.errors import OneLineErrors
-from lightning_maskprior.study.cli import Interrupted, _duration
+from lightning_maskprior.study.cli import Interrupted, _duration, file_parser
 from lightning_maskprior.study.spec import field_docstrings, format_command
 
 
 def build_parser():
     """The ``maskprior tune`` argument parser: every key of a tune file (a field of ``Tune``) is an option here,
     and the command's own."""
-    import argparse
-
-    from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
-
     from lightning_maskprior.tune.spec import Tune
 
-    class HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        """Keeps the description's line breaks (the examples)."""
-
-    class TuneParser(CheckedConfigFiles, OneLineErrors, ArgumentParser):
-        """Errors in one line (exit 2), the tune file's among them."""
-
-        config_file_kind = "tune file"
-
-    parser = TuneParser(prog="maskprior tune", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("-c", "--config", action=ActionConfigFile,
-                        help="The tune file (YAML) holding the options below.")
+    parser = file_parser("maskprior tune", __doc__, "tune file")
     with field_docstrings():
         parser.add_class_arguments(Tune, as_group=False, skip={"path"})
     parser.add_argument("--dry_run", type=bool, default=False,

@@ -19,16 +19,13 @@ from lightning_maskprior.study.spec import (
     InitEntry,
     Run,
     StudyError,
-    _as_list,
-    _check_unique,
     _default_threads,
     _parse,
-    _resolve_path,
-    _safe_name,
     config_digest,
     default_better,
     format_command,
     print_fit_config,
+    task_entries,
 )
 
 
@@ -244,26 +241,6 @@ def _objective(value: Any) -> Objective:
     return objective
 
 
-def _tasks(values: list, bases: list[Path]) -> list[Task]:
-    if not values:
-        raise TuneError("tasks: give at least one task (a config path or a mapping with config, name and args)")
-    tasks = []
-    for i, entry in enumerate(values):
-        entry = {"config": entry} if not isinstance(entry, dict) else entry
-        configs = _as_list(entry.get("config"))
-        name = str(entry.get("name") or (Path(str(configs[0])).stem if configs else ""))
-        where = f"tasks[{i}] ({name})" if name else f"tasks[{i}]"
-        task = Task(**_parse(Task, entry, where))
-        if not configs:
-            raise TuneError(f"{where}: no config given")
-        task.name = _safe_name(name, where)
-        task.config = [_resolve_path(c, where, bases) for c in _as_list(task.config)]
-        task.args = [str(a) for a in task.args]
-        tasks.append(task)
-    _check_unique([t.name for t in tasks], "tasks")
-    return tasks
-
-
 def _class_spec(value: Any, where: str, default: str) -> dict[str, Any]:
     """A sampler or pruner as ``{class_path, init_args}`` (jsonargparse resolved and checked it)."""
     if value is None:
@@ -292,7 +269,7 @@ def load_tune(cfg: Any, path: Path | None = None) -> Tune:
     if not all(a.startswith("--") for a in tune.seed_args):
         raise TuneError(f"seed_args: each entry is a CLI option like --seed_everything, got {tune.seed_args}")
     tune.args = [str(a) for a in tune.args]
-    tune.tasks = _tasks(tune.tasks, bases)
+    tune.tasks = [task for task, _ in task_entries(tune.tasks, bases, Task, TuneError)]
     tune.search = _search(tune.search)
     tune.objective = _objective(tune.objective)
     if tune.prune_on == "auto":
