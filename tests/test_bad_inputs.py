@@ -124,7 +124,7 @@ CASES = [
      r"task, n, target, seen"),
     ("backbone option unknown", fit("--model.backbone.init_args.nope", "1"), 2,
      r"model.backbone.init_args.nope: lightning_maskprior.models.TokenTransformer has no option nope; its options: "
-     r"task, dim, depth"),
+     r"dim, depth"),
     ("discover option unknown", ["discover", "-c", BOOLEAN, "--estimator.init_args.nope", "1"], 2,
      r"maskprior discover has no option --estimator.init_args.nope; expected -c/--config, --method, --out, --run, "
      r"an option of estimator 'fourier' \(--tolerance, --noise_multiple; .*\(--data.\*, --model.\*"),

@@ -132,6 +132,8 @@ def _not_accepted(text: str) -> str | None:
         module, _, name = class_path.rpartition(".")
         parameters = inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
         names = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not found:  # a callable class (the backbone): its first argument is given when it is called, not set
+            names = names[1:]
     except (ImportError, AttributeError, TypeError, ValueError):
         return line
     return f"{line}; its options: {', '.join(names)}" if names else line
