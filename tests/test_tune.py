@@ -4,6 +4,7 @@ workers on one study, best.yaml, the report of a tune directory."""
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,3 +224,18 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
     assert len(done) == 2 and {t["state"] for t in done} == {"COMPLETE"}
     assert len({t["user_attrs"]["worker"] for t in done}) == 2  # both workers ran trials
     assert len({t["user_attrs"]["dir"] for t in done}) == 2  # each in its own run directory
+
+
+def test_published_tunes_are_what_report_generates():
+    """A tune published under docs/results (its tune.json, trials.json and best.yaml beside the outputs) has the
+    trials.md and figures `maskprior report` makes of it, and names no path outside the project."""
+    results = CONFIGS.parent / "docs" / "results"
+    tunes = sorted(p for p in results.iterdir() if (p / "tune.json").is_file())
+    assert tunes, "docs/results holds no published tune"
+    main(["report", "--check", *map(str, tunes)])  # exit 1 names what is out of date
+    for tune in tunes:
+        for name in ("tune.json", "trials.json", "best.yaml"):  # paths relative to the project, as a user runs it
+            absolute = re.findall(r"(?:^|[\s\"'=])(/[\w.-]+/[\w./-]*)", (tune / name).read_text(), re.MULTILINE)
+            assert not absolute, f"{tune.name}/{name} names absolute paths: {sorted(set(absolute))[:3]}"
+        trials = read_trials(tune)
+        assert trials["trials"] and all(t["state"] in ("COMPLETE", "PRUNED") for t in trials["trials"])
