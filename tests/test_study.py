@@ -899,3 +899,68 @@ def test_a_study_stopped_by_sigterm_exits_143(tmp_path):
             study.kill()
             study.wait()
     assert study.returncode == 143, err[-3000:]
+
+
+# ---------------------------------------------------------- persistence measured by the study, outside the key
+def _last_weights(root: Path) -> dict:
+    import torch
+
+    (last,) = root.rglob("last.ckpt")
+    return torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_study_persistence_measures_runs_whose_config_does_not(tmp_path):
+    """``persistence:`` adds PriorPersistence to runs whose config has none (TINY drops the config's callbacks): the
+    table gets its score and half-life, the curves its points; the run's key is unchanged, so a run finished
+    without it is kept."""
+    plain = tiny_study(tmp_path / "out", tasks=ONE_TASK, inits=["mask"], seeds=[0])
+    measured = {**plain, "persistence": {"every_n_steps": 2, "probe_size": 16}}
+    study = load_study(measured)
+    assert study.persistence == {"probe_split": "val", "every_n_steps": 2, "probe_size": 16}
+    assert [r.key() for r in study.runs()] == [r.key() for r in load_study(plain).runs()]
+    assert run_study(study, log=lambda line, **kw: None) == 0
+    (run,) = study.runs()
+    result = json.loads(run.result_path.read_text())
+    assert result["status"] == "ok" and 0 < result["metrics"]["persistence/score"] <= 1.5
+    assert "persistence/score" in (study.out_dir / "results.csv").read_text()
+    assert "Persistence score" in (study.out_dir / "table.md").read_text()
+    lines = []
+    run_study(load_study(plain), log=lambda line, **kw: lines.append(line))  # without it: kept, not rerun
+    assert "  1 finished earlier (skipped), 0 to run" in lines[1]
+
+
+def test_study_persistence_leaves_the_training_as_it_was(tmp_path):
+    """The callback a study adds (probe from the validation split) draws nothing from the training's random
+    streams (dropout draws from torch's): a fit with it ends with the weights of the same fit without it."""
+    spec = {"class_path": "lightning_maskprior.callbacks.PriorPersistence",
+            "init_args": {"every_n_steps": 1, "probe_size": 16, "probe_split": "val"}}
+    base = ["fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--model.init", "mask", *TINY,
+            "--model.backbone.init_args.dropout", "0.1", "--trainer.max_epochs", "6", "--seed_everything", "3"]
+    main([*base, "--trainer.default_root_dir", str(tmp_path / "plain")])
+    main([*base, f"--trainer.callbacks+={json.dumps(spec)}", "--trainer.default_root_dir", str(tmp_path / "measured")])
+    plain, measured = _last_weights(tmp_path / "plain"), _last_weights(tmp_path / "measured")
+    assert plain.keys() == measured.keys()
+    assert all((plain[k] == measured[k]).all() for k in plain)
+    assert "persistence/score" in next((tmp_path / "measured").rglob("scalars.csv")).read_text()
+
+
+def test_a_configs_own_persistence_is_the_one_that_measures(tmp_path):
+    """Two PriorPersistence callbacks (a config's, then a study's): the first measures, the second stands aside."""
+    def spec(every: int) -> str:
+        return "--trainer.callbacks+=" + json.dumps({"class_path": "lightning_maskprior.callbacks.PriorPersistence",
+                                                     "init_args": {"every_n_steps": every, "probe_size": 16}})
+    main(["fit", "-c", str(CONFIGS / "boolean/2parity.yaml"), "--model.init", "mask", *TINY, spec(3), spec(2),
+          "--trainer.max_epochs", "7", "--trainer.default_root_dir", str(tmp_path)])
+    rows = next(tmp_path.rglob("scalars.csv")).read_text().splitlines()
+    steps = {int(line.split(",")[0]) for line in rows[1:] if line.split(",")[1] == "persistence/score"}
+    assert steps and all(step % 3 == 0 for step in steps) and len(steps) > 1
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"every_n_step": 2}, r"persistence: .*every_n_step.*expected PriorPersistence's options, some of \['every_n"),
+    ({"every_n_steps": 0}, r"persistence: every_n_steps must be >= 1, got 0"),
+    ({"probe_split": "test"}, r"persistence: probe_split must be 'train' or 'val', got 'test'"),
+])
+def test_study_persistence_bad_options(tmp_path, options, message):
+    with pytest.raises(StudyError, match=message):
+        load_study(tiny_study(tmp_path / "out", persistence=options))

@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from lightning_maskprior.callbacks import PredictionWriter
+from lightning_maskprior.callbacks import PredictionWriter, PriorPersistence
 from lightning_maskprior.callbacks.divergence import Diverged, StopOnDivergence
 from lightning_maskprior.callbacks.hparams import HparamsSession
 from lightning_maskprior.callbacks.rng import RNGStates
@@ -167,7 +167,7 @@ class MaskPriorCLI(LightningCLI):
         """The Trainer with the run's own callbacks, logger and checkpoint plugin beside the configured ones."""
         parsed = self.config_init[self.subcommand] if self.subcommand else self.config_init  # run=False: no subcommand
         config = {**parsed.get("trainer", {}), **kwargs}
-        configured = _as_list(config.get("callbacks"))
+        configured = _first_persistence(_as_list(config.get("callbacks")))
         # Every fit keeps last.ckpt (saved at the end of training and on SIGTERM/SIGINT), unless checkpointing is off.
         callbacks = [StopOnSignal(), FinalCheckpoint(), RNGStates(), StopOnDivergence(), RemoveEmptyRun()]
         if self.subcommand == "fit":
@@ -328,6 +328,13 @@ def _check_optimizer(model: MaskPriorModule, spec: Any) -> None:
     except (ValueError, TypeError) as err:
         name = getattr(spec, "class_path", None) or "the optimizer"
         _bad_input(f"model.optimizer: {name} refuses its options: {err}")
+
+
+def _first_persistence(callbacks: list[Callback]) -> list[Callback]:
+    """The callbacks without a second PriorPersistence: the first measures (a config's own, before the one a study
+    appends for configs that have none; two would log the same tags)."""
+    first = next((c for c in callbacks if isinstance(c, PriorPersistence)), None)
+    return [c for c in callbacks if not isinstance(c, PriorPersistence) or c is first]
 
 
 def _as_list(value: Any) -> list:

@@ -81,6 +81,15 @@ def record_args(path: Path) -> list[str]:
     return [f"--trainer.callbacks+={json.dumps(spec)}"]
 
 
+def persistence_args(options: dict[str, Any] | None) -> list[str]:
+    """CLI options appending a PriorPersistence with ``options`` (the study's ``persistence``) to the fit's
+    callbacks; none without options. A config's own PriorPersistence comes first and is the one that measures."""
+    if options is None:
+        return []
+    spec = {"class_path": "lightning_maskprior.callbacks.PriorPersistence", "init_args": options}
+    return [f"--trainer.callbacks+={json.dumps(spec)}"]
+
+
 @contextlib.contextmanager
 def cell_lock(run_dir: Path, wait: float | None = None):
     """Hold the run directory's lock, waiting up to ``wait`` seconds (default CELL_LOCK_WAIT_SECONDS) for a cell
@@ -138,7 +147,7 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
     run.dir.mkdir(parents=True, exist_ok=True)
     write_json(run.run_path, {"name": run.name, "task": run.task.name, "init": run.init.label,
                               "init_method": run.init.name, "seed": run.seed, "key": run.key(), "fit": run.fit_args(),
-                              "test": run.study.test, "threads": threads})
+                              "test": run.study.test, "threads": threads, "persistence": run.study.persistence})
     return state
 
 
@@ -253,7 +262,8 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
         rc, stage, fit_dir = 0, "fit", RunDir(fit_record["log_dir"])
         result["commands"].append(fit_record["command"])
     else:
-        fit_args = [*spec["fit"], *record_args(files.maps)]  # attention maps at the start and the end
+        # Measurements outside the run's key: attention maps at the start and the end, the study's persistence.
+        fit_args = [*spec["fit"], *record_args(files.maps), *persistence_args(spec.get("persistence"))]
         ckpt = files.resume_checkpoint()
         if ckpt is not None:
             fit_args += ["--ckpt_path", str(ckpt)]

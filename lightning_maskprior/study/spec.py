@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import io
 import json
 import os
@@ -142,6 +143,12 @@ class Study:
     """CLI overrides given to every run."""
     test: bool = True
     """Run `maskprior test` on the final checkpoint after each fit."""
+    persistence: dict[str, Any] | None = None
+    """Measure the persistence of the structure in every run whose config does not: PriorPersistence's init_args,
+    e.g. {every_n_steps: 100, probe_size: 64} ({} for its defaults), its probe drawn from the validation split unless
+    probe_split says otherwise. The table then has the persistence score and half-life, and the figures its curves.
+    A measurement, not part of a run's fingerprint: finished runs are kept when it is set or changed, and a run
+    trains step for step as it would without it. A run whose config has its own PriorPersistence keeps that one."""
     out_dir: Path | None = None
     """Where runs and tables go (default: runs/study/<study file name>). One study at a time per directory: a
     second one fails naming the host and process that hold <out_dir>/.study.lock."""
@@ -320,9 +327,26 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
 
     study.tasks = _tasks(study, bases)
     study.inits = _inits(study, bases)
+    study.persistence = persistence_options(study.persistence)
     _check_launcher(study)
     study.results_from = _results_from(study.results_from)
     return study
+
+
+def persistence_options(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A study's (or tune's) persistence options as PriorPersistence's init_args (probe_split val unless given),
+    checked by building the callback; a StudyError naming the option otherwise."""
+    if options is None:
+        return None
+    from lightning_maskprior.callbacks import PriorPersistence
+
+    options = {"probe_split": "val", **options}
+    try:
+        PriorPersistence(**options)
+    except (TypeError, ValueError) as err:
+        known = [p for p in inspect.signature(PriorPersistence).parameters]
+        raise StudyError(f"persistence: {err}; expected PriorPersistence's options, some of {known}") from None
+    return options
 
 
 def _check_seeds(study: Study) -> None:

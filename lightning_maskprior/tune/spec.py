@@ -24,6 +24,7 @@ from lightning_maskprior.study.spec import (
     config_digest,
     default_better,
     format_command,
+    persistence_options,
     print_fit_config,
     task_entries,
 )
@@ -124,6 +125,9 @@ class Tune:
     directory <out_dir>/trial_000k (with <task>/seed<s>/ beneath it when a trial makes several runs)."""
     test: bool | None = None
     """Run `maskprior test` on the final checkpoint after each fit (default: when the objective is a test/ tag)."""
+    persistence: dict[str, Any] | None = None
+    """PriorPersistence's init_args for every run whose config does not measure persistence, as a study's
+    ``persistence`` (e.g. {every_n_steps: 100}): persistence/score becomes an objective a tune can use."""
     parallel: int = 1
     """How many runs of one trial at a time (several workers run several trials at a time)."""
     gpus_per_run: int | None = None
@@ -271,6 +275,7 @@ def load_tune(cfg: Any, path: Path | None = None) -> Tune:
     tune.args = [str(a) for a in tune.args]
     tune.tasks = [task for task, _ in task_entries(tune.tasks, bases, Task, TuneError)]
     tune.search = _search(tune.search)
+    tune.persistence = persistence_options(tune.persistence)
     tune.objective = _objective(tune.objective)
     if tune.prune_on == "auto":
         tune.prune_on = tune.objective.metric if tune.objective.metric.startswith("val/") else None
