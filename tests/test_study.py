@@ -957,7 +957,8 @@ def test_a_configs_own_persistence_is_the_one_that_measures(tmp_path):
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"every_n_step": 2}, r"persistence: .*every_n_step.*expected PriorPersistence's options, some of \['every_n"),
+    ({"every_n_step": 2}, r"persistence: unknown options \['every_n_step'\]; expected PriorPersistence's, some of "
+                          r"\['every_n_steps'"),
     ({"every_n_steps": 0}, r"persistence: every_n_steps must be >= 1, got 0"),
     ({"probe_split": "test"}, r"persistence: probe_split must be 'train' or 'val', got 'test'"),
 ])

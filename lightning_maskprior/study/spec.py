@@ -341,11 +341,14 @@ def persistence_options(options: dict[str, Any] | None) -> dict[str, Any] | None
     from lightning_maskprior.callbacks import PriorPersistence
 
     options = {"probe_split": "val", **options}
+    known = list(inspect.signature(PriorPersistence).parameters)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise StudyError(f"persistence: unknown options {unknown}; expected PriorPersistence's, some of {known}")
     try:
         PriorPersistence(**options)
     except (TypeError, ValueError) as err:
-        known = [p for p in inspect.signature(PriorPersistence).parameters]
-        raise StudyError(f"persistence: {err}; expected PriorPersistence's options, some of {known}") from None
+        raise StudyError(f"persistence: {err}") from None
     return options
 
 
