@@ -100,3 +100,29 @@ def test_report_needs_a_result_dir_or_the_scorecard(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["report"])
     assert exit_info.value.code == 2 and "give a RESULT_DIR or --scorecard" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("mask", "others", "expected"), [
+    (([99.0], 99.98), [([75.0], 75.0), ([80.0], 80.0)], "holds"),  # ahead of the best other in both
+    (([80.5], 99.98), [([75.0], 75.0), ([80.0], 80.0)], "level here"),  # within 1 point of the best other here
+    (([70.0], 99.98), [([75.0], 75.0), ([80.0], 80.0)], "does not hold here"),
+    (([99.0], 70.0), [([75.0], 75.0)], "the paper's Mask is not ahead; here it is ahead"),
+    (([], 99.98), [([75.0], 75.0)], "not run here"),
+    (([99.0], 99.98), [([], 75.0)], "not run here"),  # nothing to compare with here
+])
+def test_the_claim_on_a_task(mask, others, expected):
+    """The claim row: the Mask against the best other method, in the paper's numbers and in ours."""
+    rows = [_row(*mask), *(_row(*o, method=m) for o, m in zip(others, ("default", "qk_opt"), strict=False))]
+    ((_, paper, ours, claim),) = scorecard.claim_rows(rows)
+    assert claim == expected
+    assert paper.startswith(f"{mask[1]:.2f} / ")
+    assert (ours == "–") == (claim == "not run here")
+
+
+def test_the_scorecard_states_the_claim_task_by_task():
+    rows = scorecard.rows(Results(ROOT / "docs/results"))
+    text = SCORECARD.read_text()
+    assert "## The claim, task by task" in text and f"holds here on {scorecard.claim_count(rows)}" in text
+    claimed = scorecard.claim_rows(rows)
+    assert {m.task for m, *_ in claimed} >= {"2parity", "multiplication", "addition", "wikitext2"}
+    assert f"holds here on {scorecard.claim_count(rows)}" in (ROOT / "README.md").read_text()

@@ -250,8 +250,73 @@ def summary(every: list[Row], link: str) -> str:
     n = counts(every)
     lines = [f"Of the {len(every)} numbers the paper prints in Tables 1-4 and 6, ours ([scorecard]({link})):", ""]
     lines += [f"- {verdict}: {n[verdict]}" for verdict in VERDICTS]
-    return "\n".join([*lines, "", "Each row gives the paper's number, ours with its seeds, the scale it ran at and "
-                      "its command; the rule for the verdict is at its top.", ""])
+    claim = f"The paper's claim, the Mask ahead of every other method of its table, holds here on {claim_count(every)}."
+    return "\n".join([*lines, "", f"{claim} Each row gives the paper's number, ours with its seeds, the scale it ran "
+                      "at and its command; the rule for the verdict is at its top.", ""])
+
+
+LOWER_BETTER = ("mse", "loss", "val_ppl", "test_ppl")
+
+
+def _ahead(value: float, other: float, metric: str) -> bool:
+    return value < other if metric in LOWER_BETTER else value > other
+
+
+def _claim(mask: Row, others: list[Row]) -> tuple[str, str, str]:
+    """The paper's Mask against its best other method, ours against the best that ran here, and what that says."""
+    best = min if mask.metric in LOWER_BETTER else max
+    theirs = best(others, key=lambda r: r.paper)
+    label = paper_results.METHOD_LABELS.get
+    paper = (f"{_paper_text(mask.metric, mask.paper)} / {_paper_text(mask.metric, theirs.paper)} "
+             f"({label(theirs.method)})")
+    paper_ahead = _ahead(mask.paper, theirs.paper, mask.metric)
+    ran = [r for r in others if r.ours is not None]
+    if mask.ours is None or not ran:
+        return paper, "–", "not run here" + ("" if paper_ahead else " (the paper's Mask is not ahead)")
+    ours_best = best(ran, key=lambda r: r.ours.mean)
+    ours = f"{_ours_text(mask.ours)} / {_ours_text(ours_best.ours)} ({label(ours_best.method)})"
+    level = abs(mask.ours.mean - ours_best.ours.mean) <= tolerance(mask.metric, ours_best.ours.mean, mask.ours)
+    here = "level" if level else ("ahead" if _ahead(mask.ours.mean, ours_best.ours.mean, mask.metric) else "behind")
+    if paper_ahead:
+        return paper, ours, {"ahead": "holds", "level": "level here", "behind": "does not hold here"}[here]
+    return paper, ours, f"the paper's Mask is not ahead; here it is {here}"
+
+
+def claim_rows(every: list[Row]) -> list[tuple[Row, str, str, str]]:
+    """Each task whose table has a Mask and other methods: its Mask row (first metric), the paper's comparison,
+    ours and what they say (``_claim``)."""
+    out = []
+    for table, task in dict.fromkeys((r.table, r.task) for r in every):
+        rows = [r for r in every if (r.table, r.task) == (table, task)]
+        rows = [r for r in rows if r.metric == rows[0].metric]
+        mask = next((r for r in rows if r.method == "mask"), None)
+        others = [r for r in rows if r.method != "mask"]
+        if mask is not None and others:
+            out.append((mask, *_claim(mask, others)))
+    return out
+
+
+def claim_count(every: list[Row]) -> str:
+    """"k of the n tasks that ran": where the claim holds here."""
+    found = claim_rows(every)
+    held = sum(claim == "holds" for _, _, _, claim in found)
+    return f"{held} of the {sum(ours != '–' for _, _, ours, _ in found)} tasks that ran"
+
+
+def claims(every: list[Row]) -> list[str]:
+    """The paper's claim task by task: in each task's first metric, the Mask ahead of every other method of its
+    table, in the paper's numbers and in ours (over the methods that ran here)."""
+    lines = ["## The claim, task by task", "",
+             "The paper's claim on each task: the Mask ahead of every other method of its table, in the table's first "
+             "metric. *Ours* compares the Mask with the best of the methods that ran here (means over the seeds of "
+             "the rows below; a difference within the rule's tolerance is *level*).", "",
+             "| table | task | metric | scale | paper: Mask / best other | ours: Mask / best other | the claim |",
+             "|---|---|---|---|---:|---:|---|"]
+    for mask, paper, ours, claim in claim_rows(every):
+        lines.append(f"| {mask.table} | {mask.task} | {mask.metric} | {mask.cells.scale or '–'} | {paper} | {ours} | "
+                     f"{claim} |")
+    return [*lines, "", f"The claim holds here on {claim_count(every)}; each table's discussion below says why "
+            "where it does not.", ""]
 
 
 def scorecard(every: list[Row]) -> str:
@@ -264,7 +329,7 @@ def scorecard(every: list[Row]) -> str:
              RULE, "| verdict | numbers |", "|---|---:|", *(f"| {v} | {n[v]} |" for v in VERDICTS), "",
              "Scales: *paper settings* (the paper's model, data and schedule), *CPU scale* (smaller models for "
              "minutes), *offline proxy data* (another dataset where the paper's cannot be had offline, named in the "
-             "row).", ""]
+             "row).", "", *claims(every)]
     for table, tasks in SOURCES.items():
         lines += [f"## Table {table}", "", f"*{paper_results.TABLES[table]['title']}*", "",
                   "| task | method | metric | paper | ours | seeds | scale | verdict | tables | command |",
