@@ -168,6 +168,34 @@ def test_report_on_a_tune_directory_writes_the_trials_table_and_plots(finished_t
     main(["report", str(finished_tune), "--check"])  # what it wrote is what the record gives
 
 
+def test_a_published_tune_names_no_path_of_this_machine(finished_tune, tmp_path, monkeypatch):
+    """``report DIR --out_dir docs/results/NAME`` copies the record with portable paths: the configs by their
+    packaged names, the tune's directory by its name, best.yaml's "Run it" line naming the copy."""
+    assert str(CONFIGS) in (finished_tune / "trials.json").read_text()  # the record names the configs' paths
+    monkeypatch.chdir(finished_tune.parent)  # the project: the tune file is here
+    main(["report", str(finished_tune), "--out_dir", "published", "--no_figures"])
+    published = finished_tune.parent / "published"
+    for name in ("tune.json", "trials.json", "best.yaml"):
+        text = (published / name).read_text()
+        assert not re.findall(r"(?:^|[\s\"'=])/[\w.-]+/", text, re.MULTILINE), (name, text[:400])
+    assert "configs/boolean/2parity.yaml" in (published / "trials.json").read_text()
+    assert f"sqlite:///{finished_tune.name}/tune.db" in (published / "tune.json").read_text()
+    assert "# Run it: maskprior fit -c published/best.yaml" in (published / "best.yaml").read_text()
+
+
+def test_portable_paths(tmp_path):
+    from lightning_maskprior.tune.record import portable
+
+    tune_dir = tmp_path / "runs" / "t"
+    text = (f"-c /elsewhere/checkout/configs/boolean/2parity.yaml -c {tmp_path}/my/own.yaml "
+            f"sqlite:///{tune_dir}/tune.db postgresql://user:pw@host/db /srv/data/x.bin "
+            f"/elsewhere/configs/not/packaged.yaml")
+    out, left = portable(text, tune_dir, cwd=tmp_path)
+    assert out == ("-c configs/boolean/2parity.yaml -c my/own.yaml sqlite:///t/tune.db postgresql://user:pw@host/db "
+                   "/srv/data/x.bin /elsewhere/configs/not/packaged.yaml")
+    assert left == ["/elsewhere/configs/not/packaged.yaml", "/srv/data/x.bin"]
+
+
 def test_a_pruned_trial_stops_its_fit_cleanly(tmp_path):
     # A pruner that prunes every trial at the first validation: the fit stops there, saves, exits 0.
     path = tune_file(tmp_path, n_trials=1, args=[*TINY, "--trainer.max_epochs", "20"],

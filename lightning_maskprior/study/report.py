@@ -237,9 +237,15 @@ def _tune(path: Path, args: argparse.Namespace) -> list[str]:
     out = Path(args.out_dir) if args.out_dir is not None else Path(path)
     if out.resolve() != Path(path).resolve():
         out.mkdir(parents=True, exist_ok=True)
-        for name in (tune_record.TUNE, tune_record.TRIALS, tune_record.BEST):
+        for name in (tune_record.TUNE, tune_record.TRIALS, tune_record.BEST):  # published with portable paths
             if (Path(path) / name).is_file():
-                shutil.copyfile(Path(path) / name, out / name)
+                text, left = tune_record.portable((Path(path) / name).read_text(), Path(path))
+                if name == tune_record.BEST:  # its "Run it" line names the copy
+                    text = re.sub(r"(?m)^# Run it: maskprior fit -c .*$", f"# Run it: maskprior fit -c {out / name}",
+                                  text)
+                (out / name).write_text(text)
+                for absolute in left:
+                    print(f"{out / name}: names {absolute}, a path of this machine")
     table = tune_record.render(out, figures=not args.no_figures)
     print(table)
     return []

@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,39 @@ TABLE = "trials.md"
 TABLE_CSV = "trials.csv"
 FIGURES = "figures"
 PLOTS = ("history", "importance", "slice", "intermediate")  # the figures, in the order trials.md shows them
+
+
+_SQLITE = re.compile(r"(sqlite:///)(/[^\s\"']+)")
+_ABSOLUTE = re.compile(r"(?<![\w.~/:-])/[\w.+@=-]+(?:/[\w.+@=-]+)*")  # not within a relative path or a URL
+
+
+def portable(text: str, tune_dir: Path, cwd: Path | None = None) -> tuple[str, list[str]]:
+    """A tune record's ``text`` with this machine's paths made portable, for publishing (``maskprior report DIR
+    --out_dir docs/results/NAME``): a packaged config as ``configs/<name>``, a path under the working directory
+    relative to it, the tune's own directory (``tune_dir``; its SQLite storage) by its name. Returns the text and
+    the absolute paths left (none of those)."""
+    from lightning_maskprior.run import config_files
+
+    cwd = (cwd or Path.cwd()).resolve()
+    tune_dir = Path(tune_dir).resolve()
+    packaged = config_files.packaged_dir().resolve()
+
+    def relative(path: str) -> str:
+        resolved = Path(path)
+        for root, named in ((tune_dir, Path(tune_dir.name)), (packaged, Path("configs")), (cwd, Path())):
+            if resolved.is_relative_to(root):
+                return str(named / resolved.relative_to(root)) if resolved != root else str(named or ".")
+        parts = resolved.parts
+        if "configs" in parts:  # a config of another checkout or install: the packaged config of that name
+            name = Path(*parts[len(parts) - parts[::-1].index("configs"):])
+            if config_files.packaged(name) is not None:
+                return str(Path("configs") / name)
+        return path
+
+    text = _SQLITE.sub(lambda m: m.group(1) + relative(m.group(2)), text)
+    text = _ABSOLUTE.sub(lambda m: relative(m.group(0)), text)
+    return text, sorted(set(_ABSOLUTE.findall(text)) | {m.group(2) for m in _SQLITE.finditer(text)
+                                                        if m.group(2).startswith("/")})
 
 
 def holds_tune(path: str | Path) -> bool:
