@@ -252,6 +252,29 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
     assert len(done) == 2 and {t["state"] for t in done} == {"COMPLETE"}
     assert len({t["user_attrs"]["worker"] for t in done}) == 2  # both workers ran trials
     assert len({t["user_attrs"]["dir"] for t in done}) == 2  # each in its own run directory
+    assert len({json.dumps(t["params"], sort_keys=True) for t in done}) == 2
+
+
+def test_each_trial_is_sampled_with_its_own_seed():
+    """Two workers that both ask before either samples (they started together) draw different values: each trial's
+    sampler is seeded by its number; and the same study drawn again gives the same values."""
+    import optuna
+
+    from lightning_maskprior.tune.storage import trial_sampler
+
+    spec = {"class_path": "optuna.samplers.TPESampler", "init_args": {"seed": 7}}
+
+    def race() -> list[float]:
+        study = optuna.create_study()
+        first, second = study.ask(), study.ask()  # each worker holds a trial before either has sampled
+        values = []
+        for trial in (first, second):
+            study.sampler = trial_sampler(spec, trial.number)
+            values.append(trial.suggest_float("scale", 0.1, 30, log=True))
+        return values
+
+    drawn = race()
+    assert drawn[0] != drawn[1] and race() == drawn
 
 
 def test_published_tunes_are_what_report_generates():

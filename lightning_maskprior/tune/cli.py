@@ -194,9 +194,8 @@ class Worker:
         _compare_definition(tune, self.study)
         self.study.set_user_attr("definition", json.loads(json.dumps(tune.definition(), default=str)))
         self.study.set_user_attr("objective", vars(tune.objective))
-        offset = len(self.study.get_trials(deepcopy=False))  # a resumed or late worker draws a new sequence
-        try:
-            self.study.sampler = instantiate(tune.sampler, optuna.samplers.BaseSampler, offset)
+        try:  # checked here; each trial gets its own, seeded by its number (``objective``)
+            self.study.sampler = instantiate(tune.sampler, optuna.samplers.BaseSampler)
             self.study.pruner = instantiate(tune.pruner, optuna.pruners.BasePruner)
         except Exception as err:  # noqa: BLE001  (the sampler's or pruner's own check of its arguments)
             raise TuneError(f"sampler / pruner: {err}") from None
@@ -325,6 +324,7 @@ class Worker:
         from lightning_maskprior.callbacks.optuna_pruning import PRUNED_FILE
         from lightning_maskprior.study.cell import prepare_run, read_json, write_json
         from lightning_maskprior.tune.spec import PRUNING_FILE, suggest, trial_runs
+        from lightning_maskprior.tune.storage import trial_sampler
 
         tune = self.tune
         self.current = trial
@@ -334,6 +334,7 @@ class Worker:
         if not retry and len(earlier) >= tune.n_trials:
             trial.set_user_attr("excluded", "started when the study already had n_trials")
             raise Surplus(f"the study already has {tune.n_trials} trials")
+        self.study.sampler = trial_sampler(tune.sampler, trial.number)  # seeded by the trial's number
         params = {name: suggest(trial, name, param) for name, param in tune.search.items()}
         name = trial.user_attrs.get("dir") or f"trial_{trial.number:04d}"  # a retry continues in its original's
         trial_dir = tune.out_dir / name

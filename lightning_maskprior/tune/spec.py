@@ -106,8 +106,8 @@ class Tune:
     global step). auto: the objective's metric when it is a val/ tag, else no pruning; null: no pruning."""
     sampler: optuna.samplers.BaseSampler | None = None
     """Optuna's sampler, as class_path and init_args (e.g. {class_path: TPESampler, init_args: {seed: 0}}; default:
-    TPESampler with seed 0). A seed is offset by the trials the study holds when a worker starts, so a resumed or
-    late worker does not draw what the first one drew."""
+    TPESampler with seed 0). Each trial's sampler has the seed plus the trial's number, so workers that start
+    together draw different trials, a resumed study new ones, and a study of one worker the same ones each time."""
     pruner: optuna.pruners.BasePruner | None = None
     """Optuna's pruner, as class_path and init_args (default: MedianPruner with Optuna's defaults; NopPruner for
     none). A pruned trial's fit stops cleanly at the validation that decided it."""

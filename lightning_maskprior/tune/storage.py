@@ -102,3 +102,11 @@ def instantiate(spec: dict[str, Any], base: type, seed_offset: int = 0) -> Any:
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--value", type=base)
     return parser.instantiate(parser.parse_object({"value": {**spec, "init_args": init_args}})).value
+
+
+def trial_sampler(spec: dict[str, Any], number: int) -> Any:
+    """The sampler ``spec`` describes for trial ``number``: its seed plus the number, which the storage gives out
+    once, so workers that start together draw different trials and one worker draws the same ones each time."""
+    import optuna
+
+    return instantiate(spec, optuna.samplers.BaseSampler, number)
