@@ -83,6 +83,19 @@ def file_parser(prog: str, description: str, kind: str):
     return parser
 
 
+def parse_file_command(build: Any, argv: list[str] | None, folder: str) -> tuple[Any, Any, Path | None]:
+    """The parser ``build()`` makes, the command line it parsed (field docstrings as help) and the last file given
+    with -c; without one (and no tasks on the command line), one line naming ``configs/<folder>/`` and exit 2."""
+    with field_docstrings():  # --tasks.help and the like explain the entries' keys
+        parser = build()
+        cfg = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    files = [p for p in (cfg.get("config") or []) if p is not None]
+    path = Path(str(files[-1])) if files else None
+    if path is None and not cfg.get("tasks"):
+        parser.error(f"give a {parser.config_file_kind}: {parser.prog} -c configs/{folder}/<name>.yaml (see --help)")
+    return parser, cfg, path
+
+
 def build_parser():
     """The ``maskprior study`` argument parser: every key of a study file (a field of ``Study``) is an option
     here, and two of the command's own."""
@@ -277,13 +290,7 @@ def _run_study(study: Study, launcher: Launcher, log=print) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """``maskprior study``: parse, validate the whole study, then run it."""
-    with field_docstrings():  # --tasks.help and the like explain the entries' keys
-        parser = build_parser()
-        cfg = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    files = [p for p in (cfg.get("config") or []) if p is not None]
-    path = Path(str(files[-1])) if files else None
-    if path is None and not cfg.get("tasks"):
-        parser.error("give a study file: maskprior study -c configs/study/<name>.yaml (see --help)")
+    parser, cfg, path = parse_file_command(build_parser, argv, "study")
     try:
         study = load_study(study_options(cfg), path)
         if cfg.dry_run or (not cfg.table_only and any(state == "to run" for _, state in run_states(study))):

@@ -250,7 +250,8 @@ def summary(every: list[Row], link: str) -> str:
     n = counts(every)
     lines = [f"Of the {len(every)} numbers the paper prints in Tables 1-4 and 6, ours ([scorecard]({link})):", ""]
     lines += [f"- {verdict}: {n[verdict]}" for verdict in VERDICTS]
-    claim = f"The paper's claim, the Mask ahead of every other method of its table, holds here on {claim_count(every)}."
+    held = claim_count(claim_rows(every))
+    claim = f"The paper's claim, the Mask ahead of every other method of its table, holds here on {held}."
     return "\n".join([*lines, "", f"{claim} Each row gives the paper's number, ours with its seeds, the scale it ran "
                       "at and its command; the rule for the verdict is at its top.", ""])
 
@@ -296,9 +297,8 @@ def claim_rows(every: list[Row]) -> list[tuple[Row, str, str, str]]:
     return out
 
 
-def claim_count(every: list[Row]) -> str:
-    """"k of the n tasks that ran": where the claim holds here."""
-    found = claim_rows(every)
+def claim_count(found: list[tuple[Row, str, str, str]]) -> str:
+    """"k of the n tasks that ran": where the claim holds here, over ``claim_rows``."""
     held = sum(claim == "holds" for _, _, _, claim in found)
     return f"{held} of the {sum(ours != '–' for _, _, ours, _ in found)} tasks that ran"
 
@@ -312,10 +312,11 @@ def claims(every: list[Row]) -> list[str]:
              "the rows below; a difference within the rule's tolerance is *level*).", "",
              "| table | task | metric | scale | paper: Mask / best other | ours: Mask / best other | the claim |",
              "|---|---|---|---|---:|---:|---|"]
-    for mask, paper, ours, claim in claim_rows(every):
+    found = claim_rows(every)
+    for mask, paper, ours, claim in found:
         lines.append(f"| {mask.table} | {mask.task} | {mask.metric} | {mask.cells.scale or '–'} | {paper} | {ours} | "
                      f"{claim} |")
-    return [*lines, "", f"The claim holds here on {claim_count(every)}; each table's discussion below says why "
+    return [*lines, "", f"The claim holds here on {claim_count(found)}; each table's discussion below says why "
             "where it does not.", ""]
 
 

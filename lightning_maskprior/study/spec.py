@@ -308,10 +308,7 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
     :class:`Study`, its paths resolved (against the working directory, then ``path``'s directory and its parents)
     and checked as a whole before anything runs; a StudyError naming the entry otherwise."""
     study = Study(**_parse(Study, cfg.as_dict() if hasattr(cfg, "as_dict") else dict(cfg), None))
-    bases = [Path.cwd()]
-    if path is not None:
-        study.path = Path(path).resolve()
-        bases += [study.path.parent, *study.path.parent.parents]
+    study.path, bases = lookup_bases(path)
     name = Path(path).stem if path is not None else "study"
     study.title = study.title or name
     study.out_dir = Path(study.out_dir or Path("runs") / "study" / name).expanduser().resolve()
@@ -350,6 +347,16 @@ def persistence_options(options: dict[str, Any] | None) -> dict[str, Any] | None
     except (TypeError, ValueError) as err:
         raise StudyError(f"persistence: {err}") from None
     return options
+
+
+def lookup_bases(path: Path | None) -> tuple[Path | None, list[Path]]:
+    """A study or tune file's resolved path (None for options given as a mapping) and where the relative config
+    paths it names are looked up: the working directory, then the file's directory and its parents (the packaged
+    configs come last, in ``_resolve_path``)."""
+    if path is None:
+        return None, [Path.cwd()]
+    path = Path(path).resolve()
+    return path, [Path.cwd(), path.parent, *path.parent.parents]
 
 
 def _check_seeds(study: Study) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_maskprior.run import atomic
-from lightning_maskprior.study.cli import Interrupted, _duration, file_parser
+from lightning_maskprior.study.cli import Interrupted, _duration, file_parser, parse_file_command
 from lightning_maskprior.study.spec import field_docstrings, format_command
 
 
@@ -62,13 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_maskprior.tune.spec import check_trial_commands, load_tune
     from lightning_maskprior.tune.storage import StorageError
 
-    with field_docstrings():
-        parser = build_parser()
-        cfg = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    files = [p for p in (cfg.get("config") or []) if p is not None]
-    path = Path(str(files[-1])) if files else None
-    if path is None and not cfg.get("tasks"):
-        parser.error("give a tune file: maskprior tune -c configs/tune/<name>.yaml (see --help)")
+    parser, cfg, path = parse_file_command(build_parser, argv, "tune")
     options = {k: v for k, v in cfg.as_dict().items() if k not in ("config", "dry_run")}
     try:
         tune = load_tune(options, path)

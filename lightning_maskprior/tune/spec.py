@@ -24,6 +24,7 @@ from lightning_maskprior.study.spec import (
     config_digest,
     default_better,
     format_command,
+    lookup_bases,
     persistence_options,
     print_fit_config,
     task_entries,
@@ -258,10 +259,7 @@ def load_tune(cfg: Any, path: Path | None = None) -> Tune:
     otherwise."""
     values = cfg.as_dict() if hasattr(cfg, "as_dict") else dict(cfg)
     tune = Tune(**_parse(Tune, values, None))
-    bases = [Path.cwd()]
-    if path is not None:
-        tune.path = Path(path).resolve()
-        bases += [tune.path.parent, *tune.path.parent.parents]
+    tune.path, bases = lookup_bases(path)
     name = Path(path).stem if path is not None else "tune"
     tune.title = tune.title or name
     tune.study_name = tune.study_name or name
