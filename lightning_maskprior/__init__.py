@@ -18,6 +18,8 @@ _EXPORTS = {
     "INIT_METHODS": "inits",
     "apply_init": "inits",
     "register_init": "inits",
+    "restoring_weights": "inits",
+    "weights_restored": "inits",
     "Structure": "priors",
     "StructureSpec": "priors",
     "Objective": "task",

@@ -15,10 +15,12 @@ implements all but ``patch_grid``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, Literal, Protocol
 
 import torch
@@ -119,6 +121,28 @@ def check_init_options(name: str, options: dict) -> InitMethod:
         if key in accepted:
             _check_option_type(name, key, value, accepted[key], hints.get(key))
     return fn
+
+
+_RESTORING: ContextVar[bool] = ContextVar("restoring_weights", default=False)
+
+
+@contextlib.contextmanager
+def restoring_weights(restoring: bool = True) -> Iterator[None]:
+    """Within it, the modules built take their weights from a checkpoint next (a resumed fit, ``test`` or ``predict``
+    with ``--ckpt_path``, ``load_from_checkpoint``): an init skips work whose only result is weights the checkpoint
+    replaces (QK-Opt's fit), and keeps what the checkpoint does not hold (which priors exist, which are trained).
+    ``restoring=False`` undoes it inside, for modules that train from their init (a structure estimator's)."""
+    token = _RESTORING.set(restoring)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
+
+
+def weights_restored() -> bool:
+    """Whether the module being built takes its weights from a checkpoint next (:func:`restoring_weights`). An init
+    of your own may skip fitting weights then; whatever is not in the model's ``state_dict`` it must still set."""
+    return _RESTORING.get()
 
 
 def apply_init(name: str, backbone: nn.Module, structure: Structure | None, **options) -> None:
@@ -469,6 +493,10 @@ def qk_opt_init(backbone: nn.Module, structure: Structure, steps: PositiveInt = 
     chosen = _fitted_layers("qk_opt", layers, norm, len(pairs))
     if pos_scale != 1.0:
         _backbone_method(backbone, "scale_positional_embedding", "qk_opt")(pos_scale)
+    if weights_restored():  # the fitted Wq, Wk come from the checkpoint: no fit (minutes with fit_on=inputs)
+        for layer, _ in pairs:
+            layer.clear_prior()
+        return
     if fit_on == "positions":
         positions = _normed_positions(backbone, "qk_opt")
     else:

@@ -6,6 +6,7 @@ says (the additive prior, the query/key weights, or nowhere), and trains with th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -38,7 +39,7 @@ from lightning_maskprior.checkpoints import (
 )
 from lightning_maskprior.contracts import check_backbone, prefix_tokens
 from lightning_maskprior.discover import DiscoverySpec, check_estimator_options
-from lightning_maskprior.inits import apply_init, check_init_options, get_init, uses_structure
+from lightning_maskprior.inits import apply_init, check_init_options, get_init, restoring_weights, uses_structure
 from lightning_maskprior.models import Backbone, TokenTransformer
 from lightning_maskprior.objectives import build_objective
 from lightning_maskprior.plugins import calling, resolve
@@ -336,7 +337,8 @@ class MaskPriorModule(L.LightningModule):
         if not self.hparams.get("datamodule"):
             raise ValueError(f"structure {spec!r} needs the run's datamodule (the CLI links it)")
         start = time.perf_counter()
-        found = discover(method, build_datamodule(self.hparams["datamodule"]), make_module=self.fresh, **options)
+        with restoring_weights(False):  # the estimator's modules train from their init
+            found = discover(method, build_datamodule(self.hparams["datamodule"]), make_module=self.fresh, **options)
         spec = found.spec(attention_layers(self.backbone)[0].num_heads)
         self.hparams["discovered_structure"] = {"method": method, "pairs": [list(p) for p in found.pairs]}
         if options:
@@ -359,6 +361,16 @@ class MaskPriorModule(L.LightningModule):
                           optimizer=self.optimizer_factory, lr_schedule=self.lr_schedule,
                           warmup_steps=self.warmup_steps, prior_weight_decay=self.prior_weight_decay,
                           objective=self.objective_name, task=self.task)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, strict: bool | None = None,
+                             **kwargs: Any) -> MaskPriorModule:
+        """Lightning's ``load_from_checkpoint``, without the init's fitting (QK-Opt's Adam, minutes with
+        ``fit_on: inputs``): the checkpoint's weights replace what it would fit (:func:`restoring_weights`). With
+        ``strict=False`` the init runs whole, as the checkpoint may hold only some of the weights."""
+        restoring = restoring_weights() if strict is not False else contextlib.nullcontext()
+        with restoring:
+            return super().load_from_checkpoint(checkpoint_path, *args, strict=strict, **kwargs)
 
     def on_train_start(self) -> None:
         metrics = getattr(self, "discovery_metrics", None)

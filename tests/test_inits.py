@@ -280,3 +280,32 @@ def test_query_key_ablation_options_refuse_bad_values(options, message):
     backbone, structure = _tiny_backbone()
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         apply_init("qk_svd", backbone, structure, **options)
+
+
+# ------------------------------------------------ a checkpoint's weights replace the init's fit
+def test_weights_from_a_checkpoint_skip_the_qk_opt_fit(tiny_args, tmp_path, monkeypatch):
+    """A resumed fit, ``test --ckpt_path`` and ``load_from_checkpoint`` take Wq, Wk from the checkpoint: QK-Opt's
+    fit (minutes with ``fit_on: inputs``) is not run again, and the reloaded weights are the trained ones."""
+    from lightning_maskprior import inits
+    from lightning_maskprior.module import MaskPriorModule
+
+    fits = []
+    real_fit = inits.fit_query_key
+    monkeypatch.setattr(inits, "fit_query_key", lambda *a, **k: fits.append(1) or real_fit(*a, **k))
+    args = ["-c", str(CONFIGS / "boolean/2parity.yaml"), "-c", str(CONFIGS / "init/qk_opt.yaml"), *tiny_args,
+            "--model.init_options", "{fit_on: inputs, steps: 20, probe_size: 16}"]
+    main(["fit", *args])
+    assert fits, "the fit itself fits Wq, Wk"
+    ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
+    fits.clear()
+    main(["test", *args, "--ckpt_path", "last"])
+    main(["fit", *args, "--trainer.max_epochs", "3", "--ckpt_path", "last"])
+    module = MaskPriorModule.load_from_checkpoint(ckpt)
+    assert not fits
+    trained = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert all(torch.equal(value, trained[key]) for key, value in module.state_dict().items())
+    with inits.restoring_weights():
+        assert inits.weights_restored()
+        with inits.restoring_weights(False):  # a structure estimator's modules train from their init
+            assert not inits.weights_restored()
+    assert not inits.weights_restored()

@@ -17,9 +17,11 @@ after saving last.ckpt.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from lightning_maskprior.callbacks.hparams import HparamsSession
 from lightning_maskprior.callbacks.rng import RNGStates
 from lightning_maskprior.callbacks.signals import FinalCheckpoint, StopOnSignal
 from lightning_maskprior.datamodules.base import MaskPriorDataModule
+from lightning_maskprior.inits import restoring_weights
 from lightning_maskprior.module import MaskPriorModule
 from lightning_maskprior.run import allocator, checks, config_files, errors, precision, record
 from lightning_maskprior.run import status as run_status
@@ -48,6 +51,11 @@ from lightning_maskprior.run.atomic import AtomicCheckpointIO
 from lightning_maskprior.run.resume import ResumedOptions
 from lightning_maskprior.run.rundir import Checkpoint, RunDir, StudyRunDir
 from lightning_maskprior.run.scalars_logger import ScalarsLogger
+
+# test, validate and predict with a checkpoint log into a run directory of their own, so Lightning says on every one
+# that the checkpoint's ModelCheckpoint saved to another; nothing of it is used there. A resumed fit saves into its
+# checkpoint's own run directory (_continue_run_directory), where the warning never fires.
+warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
 
 class OneLineParser(config_files.CheckedConfigFiles, errors.OneLineErrors, LightningArgumentParser):
@@ -158,8 +166,11 @@ class MaskPriorCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         # A bad value a datamodule, structure, init or module refuses while being built is bad input: one line and
         # exit 2, not a traceback. (Errors once training runs are not caught here.)
+        # With a checkpoint, its weights replace the model's next: the init's fitting is skipped (inits.py).
+        restoring = restoring_weights() if self.checkpoint is not None else contextlib.nullcontext()
         try:
-            super().instantiate_classes()
+            with restoring:
+                super().instantiate_classes()
         except (ValueError, FileNotFoundError) as err:
             _bad_input(_underlying_message(err))
 
