@@ -197,15 +197,18 @@ def test_portable_paths(tmp_path):
 
 
 def test_a_pruned_trial_stops_its_fit_cleanly(tmp_path):
-    # A pruner that prunes every trial at the first validation: the fit stops there, saves, exits 0.
-    path = tune_file(tmp_path, n_trials=1, args=[*TINY, "--trainer.max_epochs", "20"],
+    # A pruner that prunes every trial at the first validation: the fit stops there, saves, exits 0, and is not
+    # tested (test: true) nor given a value.
+    path = tune_file(tmp_path, n_trials=1, args=[*TINY, "--trainer.max_epochs", "20"], test=True,
                      pruner={"class_path": "optuna.pruners.ThresholdPruner", "init_args": {"upper": 0.0}})
     run_tune(path)
     (trial,) = read_trials(tmp_path / "out")["trials"]
     assert trial["state"] == "PRUNED" and trial["user_attrs"]["pruned_step"] >= 1
     assert list(trial["intermediate_values"]) == [str(trial["user_attrs"]["pruned_step"])]
     result = json.loads((tmp_path / "out" / "trial_0000" / "result.json").read_text())
-    assert result["status"] == "ok"
+    assert result["status"] == "ok" and result["stage"] == "fit"
+    assert [command.split()[1] for command in result["commands"]] == ["fit"]
+    assert [set(run) for run in trial["user_attrs"]["runs"]] == [{"run", "status", "seconds"}]
     from lightning_maskprior.run.rundir import Checkpoint, RunDir
 
     assert Checkpoint(RunDir(tmp_path / "out" / "trial_0000").find_checkpoint()).global_step < 20

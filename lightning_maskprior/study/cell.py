@@ -147,7 +147,8 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
     run.dir.mkdir(parents=True, exist_ok=True)
     write_json(run.run_path, {"name": run.name, "task": run.task.name, "init": run.init.label,
                               "init_method": run.init.name, "seed": run.seed, "key": run.key(), "fit": run.fit_args(),
-                              "test": run.study.test, "threads": threads, "persistence": run.study.persistence})
+                              "test": run.study.test, "threads": threads, "persistence": run.study.persistence,
+                              "skip_test_if": getattr(run, "skip_test_if", None)})
     return state
 
 
@@ -276,7 +277,8 @@ def _run_cell(run_dir: Path, in_process: bool, children: _Children | None) -> di
             write_json(files.fit_done, {"key": spec["key"], "log_dir": str(fit_dir.path),
                                         "command": result["commands"][-1]})
     error = tail(files.output("fit", "err")) if rc != 0 else ""
-    if rc == 0 and spec.get("test", True):
+    stopped = spec.get("skip_test_if")  # a file the fit writes when it stops for good early (a pruned trial's)
+    if rc == 0 and spec.get("test", True) and not (stopped and Path(stopped).is_file()):
         stage = "test"
         try:
             ckpt = fit_dir.find_checkpoint() if fit_dir is not None else None

@@ -349,7 +349,7 @@ class Worker:
         records, values, failed = [], [], []
         for run, result in results:
             record = {"run": run.name, "status": result.get("status"), "seconds": result.get("seconds")}
-            if result.get("status") == "ok":
+            if result.get("status") == "ok" and pruned is None:  # a pruned fit has no value (nor a test)
                 metrics = finished(run)
                 if tune.objective.metric not in metrics:
                     self._missing_metric(trial, run, metrics)

@@ -365,6 +365,13 @@ class TrialRun(Run):
     def key(self) -> dict:
         return {"fit": self.fit_args(), "config": config_digest(self.task.config), "test": self.study.test}
 
+    @property
+    def skip_test_if(self) -> str | None:
+        """The file the pruner writes when it stops this run's fit: a pruned fit is not tested."""
+        from lightning_maskprior.callbacks.optuna_pruning import PRUNED_FILE  # Lightning's: imported on use
+
+        return str(self.trial_dir / PRUNED_FILE) if self.prune else None
+
 
 def trial_runs(tune: Tune, trial_dir: Path, params: dict[str, Any]) -> list[TrialRun]:
     """The runs of a trial, task by task and seed by seed; the first one feeds the pruner."""
