@@ -75,11 +75,12 @@ def counted(trials: list[dict]) -> list[dict]:
         ({"search": {}}, r"search: give at least one option to tune"),
         ({"storage": "nosuchdb://host/db"}, r"storage 'nosuchdb://host/db' cannot be opened: .*expected an Optuna"),
         ({"objective": "mse"}, r"objective.metric: expected a tag a run logs, like val/ppl"),
+        ({"seeds": [0, -1]}, r"seeds\[1\]: a seed is a non-negative integer, got -1"),
         ({"tasks": [{"config": "boolean/nope.yaml"}]},
          r"tasks\[0\] \(nope\): config 'boolean/nope.yaml' does not exist"),
     ],
     ids=["unknown-option", "empty-range", "no-choices", "choices-missing", "log-at-zero", "no-search",
-         "storage", "objective-tag", "task-config"],
+         "storage", "objective-tag", "seed", "task-config"],
 )
 def test_bad_tune_fails_in_one_line_before_any_trial(tmp_path, capsys, change, message):
     import re

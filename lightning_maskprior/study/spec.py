@@ -313,7 +313,7 @@ def load_study(cfg: Any, path: Path | None = None) -> Study:
     study.title = study.title or name
     study.out_dir = Path(study.out_dir or Path("runs") / "study" / name).expanduser().resolve()
 
-    _check_seeds(study)
+    check_seeds(study.seeds, study.seed_args)
     study.args = [str(a) for a in study.args]
     study.metrics = _metrics(study.metrics, "metrics")
     study.paper_tables = [str(t) for t in study.paper_tables]
@@ -359,17 +359,17 @@ def lookup_bases(path: Path | None) -> tuple[Path | None, list[Path]]:
     return path, [Path.cwd(), path.parent, *path.parent.parents]
 
 
-def _check_seeds(study: Study) -> None:
-    """A StudyError naming the seed or seed option that is not what a study runs."""
-    if not study.seeds:
-        raise StudyError("seeds: give at least one seed, e.g. seeds: [0, 1, 2]")
-    for i, seed in enumerate(study.seeds):
+def check_seeds(seeds: list[int], seed_args: list[str], error: type[Exception] = StudyError) -> None:
+    """An ``error`` naming the seed or seed option that is not what a study (or a tune) runs."""
+    if not seeds:
+        raise error("seeds: give at least one seed, e.g. seeds: [0, 1, 2]")
+    for i, seed in enumerate(seeds):
         if seed < 0:
-            raise StudyError(f"seeds[{i}]: a seed is a non-negative integer, got {seed!r}")
-    if len(set(study.seeds)) != len(study.seeds):
-        raise StudyError(f"seeds: {study.seeds} repeats a seed")
-    if not all(a.startswith("--") for a in study.seed_args):
-        raise StudyError(f"seed_args: each entry is a CLI option like --seed_everything, got {study.seed_args}")
+            raise error(f"seeds[{i}]: a seed is a non-negative integer, got {seed!r}")
+    if len(set(seeds)) != len(seeds):
+        raise error(f"seeds: {seeds} repeats a seed")
+    if not all(a.startswith("--") for a in seed_args):
+        raise error(f"seed_args: each entry is a CLI option like --seed_everything, got {seed_args}")
 
 
 def task_entries(values: list, bases: list[Path], of: type,

@@ -21,6 +21,7 @@ from lightning_maskprior.study.spec import (
     StudyError,
     _default_threads,
     _parse,
+    check_seeds,
     config_digest,
     default_better,
     format_command,
@@ -266,10 +267,7 @@ def load_tune(cfg: Any, path: Path | None = None) -> Tune:
     tune.out_dir = Path(tune.out_dir or Path("runs") / "tune" / name).expanduser().resolve()
     tune.storage = tune.storage or f"sqlite:///{tune.out_dir / 'tune.db'}"
 
-    if not tune.seeds or any(s < 0 for s in tune.seeds) or len(set(tune.seeds)) != len(tune.seeds):
-        raise TuneError(f"seeds: expected a non-empty list of distinct non-negative integers, got {tune.seeds}")
-    if not all(a.startswith("--") for a in tune.seed_args):
-        raise TuneError(f"seed_args: each entry is a CLI option like --seed_everything, got {tune.seed_args}")
+    check_seeds(tune.seeds, tune.seed_args, TuneError)
     tune.args = [str(a) for a in tune.args]
     tune.tasks = [task for task, _ in task_entries(tune.tasks, bases, Task, TuneError)]
     tune.search = _search(tune.search)
