@@ -23,7 +23,7 @@ from lightning_maskprior.run import config_files
 COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("lightning_maskprior.study.cli", "main"),
     "tune": ("lightning_maskprior.tune.cli", "main"),
-    "report": ("lightning_maskprior.study.report", "main"),
+    "report": ("lightning_maskprior.report", "main"),
     "discover": ("lightning_maskprior.run.discover", "main"),
     "configs": ("lightning_maskprior.run.config_files", "main"),
 }

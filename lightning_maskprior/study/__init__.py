@@ -8,7 +8,8 @@
     paper_results.py  the paper's numbers, beside ours in the tables
     tables.py     table.md / table.csv / per_seed.csv in the paper's layout, from the data files
     figures.py    the figures (PNG and PDF), from the data files
-    report.py     `maskprior report`: tables and figures of a result directory, and the README's copies
+    report.py     the tables and figures of a result directory, and the README's copies (the command that
+                  writes them, for a study's or a tune's directory, is lightning_maskprior/report.py)
     scorecard.py  every number the paper prints beside ours with a verdict, and Table 2 as printed (report --scorecard)
     cli.py        the command: parse, validate, lock, launch, report
 

@@ -266,6 +266,33 @@ def render(out_dir: str | Path, figures: bool = True) -> Path:
     return out_dir / TABLE
 
 
+def stale_table(path: str | Path) -> list[str]:
+    """The tune's trials.md if it differs from what its trials.json gives (``maskprior report --check``)."""
+    table = Path(path) / TABLE
+    expected = markdown(read_trials(Path(path)), figure_names(path))
+    return [] if table.is_file() and table.read_text() == expected else [str(table)]
+
+
+def publish(path: str | Path, out_dir: str | Path | None = None, figures: bool = True) -> Path:
+    """The tune's trials table and plots, into ``out_dir`` (default: ``path``). Another directory also gets a copy
+    of the tune's record (tune.json, trials.json, best.yaml) with portable paths, best.yaml's "Run it" line naming
+    the copy; each absolute path still in a copy is printed. Returns trials.md's path."""
+    path = Path(path)
+    out = Path(out_dir) if out_dir is not None else path
+    if out.resolve() != path.resolve():
+        out.mkdir(parents=True, exist_ok=True)
+        for name in (TUNE, TRIALS, BEST):
+            if (path / name).is_file():
+                text, left = portable((path / name).read_text(), path)
+                if name == BEST:
+                    text = re.sub(r"(?m)^# Run it: maskprior fit -c .*$", f"# Run it: maskprior fit -c {out / name}",
+                                  text)
+                (out / name).write_text(text)
+                for absolute in left:
+                    print(f"{out / name}: names {absolute}, a path of this machine")
+    return render(out, figures=figures)
+
+
 def write_best(out_dir: Path, data: dict[str, Any]) -> Path | None:
     """Write ``best.yaml``: the full fit configuration of the best trial's first run (its task's configs and
     overrides, the trial's values, its first seed), which ``maskprior fit -c best.yaml`` runs as is. None when no
