@@ -283,3 +283,23 @@ def test_after_a_fallback_resume_the_next_last_ckpt_replaces_the_cut_short_one(t
     assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 9
     module, _ = load_run(run)
     assert module is not None
+
+
+def test_evaluating_a_run_a_resume_changed_names_what_differs(tmp_path, capsys):
+    """A resume that changed how the run is evaluated (here val_size) is in changes.yaml, not config.yaml:
+    ``validate -c RUN/config.yaml`` says so in one line, with the option that measures the run as it ended; with
+    that option given, or for a run never changed, it says nothing."""
+    assert _fit([*ARITHMETIC, "--trainer.max_epochs", "1"], tmp_path) == 0
+    assert _fit([*ARITHMETIC, "--trainer.max_epochs", "2", "--data.init_args.val_size", "100",
+                 "--ckpt_path", "last"], tmp_path) == 0
+    (run,) = tmp_path.glob("*/version_0")
+    evaluate = ["validate", "-c", str(run / "config.yaml"), "--ckpt_path", str(run / "checkpoints/last.ckpt"),
+                "--trainer.default_root_dir", str(tmp_path / "eval")]
+    capsys.readouterr()
+    main(evaluate)
+    out = capsys.readouterr()
+    assert ("maskprior: validate with data.init_args.val_size 200 (the run ended with 100): a resume of run "
+            f"{run} changed them (changes.yaml); add --data.init_args.val_size 100") in out.out + out.err
+    main([*evaluate, "--data.init_args.val_size", "100"])
+    out = capsys.readouterr()
+    assert "changes.yaml" not in out.out + out.err

@@ -34,7 +34,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from lightning_maskprior.callbacks import PredictionWriter, PriorPersistence
@@ -145,6 +145,8 @@ class MaskPriorCLI(LightningCLI):
             trainer.precision, line = precision.resolve(trainer.get("accelerator"), trainer.get("precision"))
             if line:
                 rank_zero_info(line)
+        if self.subcommand in ("validate", "test", "predict"):
+            _note_evaluation_changes(self.config[self.subcommand], self.checkpoint, self.subcommand)
         if self.subcommand is not None:
             _use_discovered_structure(self.config[self.subcommand].model, self.checkpoint)
         if self.subcommand == "fit":
@@ -459,6 +461,27 @@ def _other_run(checkpoint: Checkpoint, config) -> str | None:
     if isinstance(then, int) and isinstance(now, int) and not isinstance(now, bool) and then != now:
         problems.append(f"seed_everything: checkpoint {then}, config {now}")
     return "; ".join(problems) or None
+
+
+@rank_zero_only
+def rank_zero_print(line: str) -> None:
+    """A note on the console from the first process only (the CLI runs once per process under DDP)."""
+    print(line, flush=True)
+
+
+def _note_evaluation_changes(config, checkpoint: Checkpoint | None, subcommand: str) -> None:
+    """Evaluating a run that a resume changed: one line naming each option that decides what the evaluation measures
+    (precision, the evaluation splits' sizes) whose value here is not the one the run ended with (its config.yaml
+    is the run as it started; changes.yaml holds the rest)."""
+    run_dir = checkpoint.run_dir if checkpoint is not None else None
+    if run_dir is None:
+        return
+    differ = record.evaluation_changes(run_dir, config.as_dict())
+    if differ:
+        listed = ", ".join(f"{option} {now!r} (the run ended with {then!r})" for option, (then, now) in differ.items())
+        options = " ".join(f"--{option} {then}" for option, (then, _) in differ.items())
+        rank_zero_print(f"maskprior: {subcommand} with {listed}: a resume of run {run_dir.path} changed them "
+                        f"(changes.yaml); add {options} to measure the run as it ended")
 
 
 def _use_discovered_structure(model_config, checkpoint: Checkpoint | None) -> None:

@@ -43,6 +43,10 @@ NOT_RECORDED = (
 # Data options a resumed fit may change (they steer evaluation): applied from the resumed step and recorded.
 EVALUATION_DATA_OPTIONS = ("data.init_args.eval_batch_size", "data.init_args.val_size", "data.init_args.test_size",
                            "data.init_args.num_test_stories")
+# Options that decide what an evaluation of a run measures (validate, test, predict): its precision and the
+# evaluation splits' sizes. Evaluating a run that a resume changed one of them names it (run/cli.py).
+EVALUATION_OPTIONS = ("trainer.precision", "data.init_args.val_size", "data.init_args.test_size",
+                      "data.init_args.num_test_stories")
 
 
 class RecordError(ValueError):
@@ -123,6 +127,16 @@ def check_changes(changes: Mapping[str, tuple[Any, Any]], run_dir: RunDir) -> No
         if why is not None:
             raise RecordError(f"{option} cannot change when resuming run {run_dir.path} ({then!r} there, {now!r} in "
                               f"the config): {why}. Expected the run's own value, or a new fit without --ckpt_path")
+
+
+def evaluation_changes(run_dir: RunDir, config: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{option: (the run's last value, config's)}`` for each ``EVALUATION_OPTIONS`` entry a resume of the run
+    changed (changes.yaml) to a value ``config`` (a flat or nested config of validate, test or predict) does not
+    have: evaluated with ``config``, the run is measured otherwise than it ended."""
+    here = flatten(config)
+    ended = run_dir.changed_options()
+    return {option: (value, here.get(option)) for option, value in ended.items()
+            if option in EVALUATION_OPTIONS and here.get(option) != value}
 
 
 def append_segment(run_dir: RunDir, step: int, changes: Mapping[str, tuple[Any, Any]]) -> None:
