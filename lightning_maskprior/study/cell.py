@@ -148,7 +148,7 @@ def prepare_run(run: Run, threads: int | None = None) -> str:
     write_json(run.run_path, {"name": run.name, "task": run.task.name, "init": run.init.label,
                               "init_method": run.init.name, "seed": run.seed, "key": run.key(), "fit": run.fit_args(),
                               "test": run.study.test, "threads": threads, "persistence": run.study.persistence,
-                              "skip_test_if": getattr(run, "skip_test_if", None)})
+                              "skip_test_if": run.skip_test_if})
     return state
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from lightning_maskprior.run.rundir import ResultDir
 from lightning_maskprior.study import paper_results
 from lightning_maskprior.study.results import ResultSet, load
+from lightning_maskprior.study.spec import default_better
 from lightning_maskprior.study.tables import Cell, cell_text
 
 PAPER_SCALE = "paper settings"
@@ -256,16 +257,13 @@ def summary(every: list[Row], link: str) -> str:
                       "at and its command; the rule for the verdict is at its top.", ""])
 
 
-LOWER_BETTER = ("mse", "loss", "val_ppl", "test_ppl")
-
-
 def _ahead(value: float, other: float, metric: str) -> bool:
-    return value < other if metric in LOWER_BETTER else value > other
+    return value < other if default_better(metric) == "lower" else value > other
 
 
 def _claim(mask: Row, others: list[Row]) -> tuple[str, str, str]:
     """The paper's Mask against its best other method, ours against the best that ran here, and what that says."""
-    best = min if mask.metric in LOWER_BETTER else max
+    best = min if default_better(mask.metric) == "lower" else max
     theirs = best(others, key=lambda r: r.paper)
     label = paper_results.METHOD_LABELS.get
     paper = (f"{_paper_text(mask.metric, mask.paper)} / {_paper_text(mask.metric, theirs.paper)} "

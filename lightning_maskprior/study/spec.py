@@ -503,6 +503,11 @@ class Run:
     def name(self) -> str:
         return f"{self.task.name}/{self.init.label}/seed{self.seed}"
 
+    @property
+    def skip_test_if(self) -> str | None:
+        """A file whose presence after the fit means the run is not tested (a pruned trial's); None: always tested."""
+        return None
+
     def fit_args(self) -> list[str]:
         args = ["fit"]
         for config in [*self.task.config, *self.init.config]:
