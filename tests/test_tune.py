@@ -157,7 +157,13 @@ def test_each_trial_is_a_run_directory_and_the_best_one_is_best_yaml(finished_tu
 
 
 def test_report_on_a_tune_directory_writes_the_trials_table_and_plots(finished_tune, capsys):
-    main(["report", str(finished_tune)])
+    import matplotlib
+
+    with matplotlib.rc_context():
+        matplotlib.rcdefaults()
+        main(["report", str(finished_tune)])
+        # Optuna's plots set the ggplot style; the figures of a study the same command renders next keep their own
+        assert matplotlib.rcParams["axes.facecolor"] == "white"
     with open(finished_tune / "trials.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["trial"] for r in rows] == ["0", "1", "2"] and {r["state"] for r in rows} == {"COMPLETE"}

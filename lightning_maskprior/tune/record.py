@@ -223,25 +223,29 @@ def write_figures(data: dict[str, Any], out_dir: Path) -> tuple[list[str], list[
     folder = Path(out_dir) / FIGURES
     folder.mkdir(parents=True, exist_ok=True)
     written, skipped = [], []
-    for name, plot, needs in wanted:
-        path = folder / f"{name}.png"
-        if len(complete) < needs:
-            skipped.append(f"{name}: needs {needs} complete trials, the study has {len(complete)}")
-            path.unlink(missing_ok=True)
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
-                axes = plot(study)
-            figure = (axes.flat[0] if hasattr(axes, "flat") else axes).get_figure()
-            figure.set_size_inches(max(figure.get_size_inches()[0], 7), max(figure.get_size_inches()[1], 4.5))
-            figure.savefig(path, dpi=120, bbox_inches="tight")
-            plt.close(figure)
-            written.append(f"{FIGURES}/{name}.png")
-        except Exception as err:  # noqa: BLE001  (a plot Optuna cannot draw for this study: say so, draw the rest)
-            skipped.append(f"{name}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
-            plt.close("all")
-            path.unlink(missing_ok=True)
+    # Optuna's plots switch the process's matplotlib style to ggplot (plt.style.use); rc_context undoes it, so
+    # a study's figures drawn after a tune's in one process (`maskprior report` over both) keep their own look.
+    with matplotlib.rc_context():
+        for name, plot, needs in wanted:
+            path = folder / f"{name}.png"
+            if len(complete) < needs:
+                skipped.append(f"{name}: needs {needs} complete trials, the study has {len(complete)}")
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+                    axes = plot(study)
+                figure = (axes.flat[0] if hasattr(axes, "flat") else axes).get_figure()
+                figure.set_size_inches(max(figure.get_size_inches()[0], 7), max(figure.get_size_inches()[1], 4.5))
+                figure.savefig(path, dpi=120, bbox_inches="tight")
+                plt.close(figure)
+                written.append(f"{FIGURES}/{name}.png")
+            except Exception as err:  # noqa: BLE001  (a plot Optuna cannot draw for this study: say so, draw the rest)
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                skipped.append(f"{name}: {first}")
+                plt.close("all")
+                path.unlink(missing_ok=True)
     return written, skipped
 
 
