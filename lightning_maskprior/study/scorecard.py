@@ -345,8 +345,8 @@ def scorecard(every: list[Row]) -> str:
             seeds = ", ".join(map(str, row.ours.values)) if row.ours else ""
             sources = row.cells.sources.get(row.method, ())
             verdict_text = f"{row.verdict}: {row.why}" if row.why else row.verdict
-            if row.verdict == "reproduces" and seeds_within(row) < len(row.ours.values):
-                verdict_text += f" ({seeds_within(row)} of {len(row.ours.values)} seeds)"
+            if row.verdict == "reproduces" and (within := seeds_within(row)) < len(row.ours.values):
+                verdict_text += f" ({within} of {len(row.ours.values)} seeds)"
             label = paper_results.METHOD_LABELS.get(row.method, row.method)
             lines.append(f"| {row.task} | {label} | {row.metric} | {_paper_text(row.metric, row.paper)} | "
                          f"{_ours_text(row.ours)} | {seeds} | {_scale(row.cells)} | {verdict_text} | "
